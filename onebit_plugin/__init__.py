@@ -1,0 +1,12 @@
+"""onebit-plugin: 1-bit Adam (Tang et al., ICML 2021) for PyTorch.
+
+``OneBitAdam`` is a ``torch.optim.Optimizer``: Adam during a warm-up, then Adam with a frozen
+variance whose momentum is averaged across ranks by ``compressed_allreduce`` -- 1-bit signs with
+error feedback on the worker and the server side, about 1/32 of an fp32 allreduce's bytes.
+"""
+
+from onebit_plugin.allreduce import CompressedAllreduce, compressed_allreduce
+from onebit_plugin.compression import ChunkLayout
+
+__all__ = ["ChunkLayout", "CompressedAllreduce", "compressed_allreduce"]
+__version__ = "0.1.0"

@@ -1,0 +1,288 @@
+"""Sign compression with error feedback: the chunk layout, the pure-torch reference, one dispatch.
+
+Every function here has a Triton twin in ``onebit_plugin.kernels.sign_compress``; these torch
+versions are the CPU path and the oracle the kernel tests compare against. The three stages are
+the three passes of the compressed allreduce (design notes, section 1):
+
+* :func:`worker_compress` -- ``c = (x + error) * mask``, one fp32 scale per block, signs packed
+  8 per byte, ``error = c - scale * sign(c) * mask``;
+* :func:`server_compress` -- decode every sender's copy of this rank's chunk, average, add the
+  server error, and compress again with the same rule;
+* :func:`decompress` -- ``out = scale * sign * mask``.
+
+Conventions, shared bit for bit with the kernels:
+
+* bit ``i`` of byte ``k`` holds element ``8k + i`` (LSB first); a set bit means ``value >= 0``,
+  so zero is sent as ``+1`` -- the mask is what keeps always-zero coordinates at zero;
+* the scale of a block is ``sum(|c|) / count`` where ``count`` is the number of unmasked
+  coordinates in the block (at least 1): the mean of ``|c|`` is the L2-optimal scale for a sign
+  compressor, and masked/padding coordinates must not dilute it;
+* masked coordinates (the padding tail included) decode to exactly 0 and keep a zero error.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "ChunkLayout",
+    "CompressionBuffers",
+    "block_counts",
+    "make_mask",
+    "decompress",
+    "server_compress",
+    "worker_compress",
+]
+
+# 0x0102040810204080 moves byte i of an int64 (each byte 0 or 1) to bit 56 + i with no carries,
+# so one multiply and one shift pack 8 bools into a byte: 0.6 ms for 8M values on one core,
+# against 6.5 ms for a weighted sum over a (n/8, 8) view.
+_PACK_MAGIC = 0x0102040810204080
+# Decoding is one gather from a 256 x 8 table of +-1: 2.3 ms for 8M values on one core, ten
+# times faster than shifting and masking each bit.
+_SIGN_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _sign_table(device: torch.device) -> torch.Tensor:
+    table = _SIGN_TABLES.get(device)
+    if table is None:
+        bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+        table = (bits * 2 - 1).to(dtype=torch.float32, device=device)
+        _SIGN_TABLES[device] = table
+    return table
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """How a flat tensor of ``numel`` values is split across ``world_size`` ranks.
+
+    The flat tensor is padded to ``padded_numel = world_size * chunk``; rank ``j`` is the server
+    of chunk ``j``. A chunk is ``blocks_per_chunk`` blocks of ``block`` values, each with its own
+    fp32 scale. ``block`` is a multiple of 8 (whole bytes) no larger than ``max_block``, chosen so
+    the blocks split a chunk evenly: padding is below ``8 * blocks_per_chunk`` values per chunk.
+    """
+
+    numel: int
+    world_size: int
+    block: int
+    blocks_per_chunk: int
+
+    @classmethod
+    def create(cls, numel: int, world_size: int, max_block: int = 2048) -> ChunkLayout:
+        if numel < 1:
+            raise ValueError(f"numel must be >= 1, got {numel}")
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if max_block < 8 or max_block % 8:
+            raise ValueError(f"max_block must be a positive multiple of 8, got {max_block}")
+        per_rank = -(-numel // world_size)
+        blocks = -(-per_rank // max_block)
+        block = -(-per_rank // blocks)
+        block = -(-block // 8) * 8
+        return cls(numel, world_size, block, blocks)
+
+    @property
+    def chunk(self) -> int:
+        return self.block * self.blocks_per_chunk
+
+    @property
+    def padded_numel(self) -> int:
+        return self.chunk * self.world_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.blocks_per_chunk * self.world_size
+
+    def wire_bytes(self) -> int:
+        """Bytes this rank sends per compressed allreduce: (W-1) chunks of bits and scales out in
+        the all-to-all, and its own server chunk to W-1 peers in the all-gather."""
+        per_chunk = self.chunk // 8 + 4 * self.blocks_per_chunk
+        return 2 * (self.world_size - 1) * per_chunk
+
+    def dense_wire_bytes(self, element_size: int = 4) -> int:
+        """Bytes per rank of a bandwidth-optimal (ring) allreduce of the unpadded tensor."""
+        return math.ceil(2 * (self.world_size - 1) / self.world_size * element_size * self.numel)
+
+
+class CompressionBuffers:
+    """Scratch for compression passes over up to ``num_values`` values, allocated once and reused.
+
+    One set serves all three stages of a compressed allreduce: the worker pass and the final
+    decode work on ``padded_numel`` values, the server pass decodes ``W * chunk`` of them, the
+    same number.
+    """
+
+    def __init__(self, num_values: int, block: int, device: torch.device | str = "cpu"):
+        self.c = torch.empty(num_values, dtype=torch.float32, device=device)
+        self.scratch = torch.empty(num_values, dtype=torch.float32, device=device)
+        self.bits = torch.empty(num_values, dtype=torch.bool, device=device)
+        self.packed64 = torch.empty(num_values // 8, dtype=torch.int64, device=device)
+        self.abs_sums = torch.empty(num_values // block, dtype=torch.float32, device=device)
+
+
+def _compress_(
+    c: torch.Tensor,
+    error: torch.Tensor,
+    mask: torch.Tensor,
+    counts: torch.Tensor,
+    block: int,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    buf: CompressionBuffers,
+) -> None:
+    """Compress ``c`` (masked, fp32, whole blocks): write ``packed``, ``scales`` and
+    ``error = c - decode(packed, scales)``."""
+    size = c.numel()
+    blocks = size // block
+    abs_c = buf.scratch[:size]
+    torch.abs(c, out=abs_c)
+    torch.sum(abs_c.view(blocks, block), dim=1, out=buf.abs_sums[:blocks])
+    torch.div(buf.abs_sums[:blocks], counts, out=scales)
+    bits = buf.bits[:size]
+    torch.ge(c, 0, out=bits)
+    packed64 = buf.packed64[: size // 8]
+    torch.mul(bits.view(torch.uint8).view(torch.int64), _PACK_MAGIC, out=packed64)
+    packed64.bitwise_right_shift_(56)
+    packed.copy_(packed64)
+    torch.sub(c, _decode_into(packed, scales, mask, block, abs_c), out=error)
+
+
+def _decode_into(
+    packed: torch.Tensor, scales: torch.Tensor, mask: torch.Tensor, block: int, out: torch.Tensor
+) -> torch.Tensor:
+    torch.index_select(
+        _sign_table(packed.device), 0, packed.view(-1).to(torch.int32), out=out.view(-1, 8)
+    )
+    out.view(-1, block).mul_(scales.view(-1, 1))
+    out.masked_fill_(mask.logical_not(), 0.0)
+    return out
+
+
+def _check_buffers(buf: CompressionBuffers | None, size: int, block: int, device) -> CompressionBuffers:
+    if buf is None:
+        return CompressionBuffers(size, block, device)
+    if buf.c.numel() < size:
+        raise ValueError(f"CompressionBuffers hold {buf.c.numel()} values, the pass needs {size}")
+    return buf
+
+
+def worker_compress(
+    x: torch.Tensor,
+    error: torch.Tensor,
+    mask: torch.Tensor,
+    counts: torch.Tensor,
+    layout: ChunkLayout,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    buf: CompressionBuffers | None = None,
+) -> None:
+    """Worker side: compress ``x + error`` into ``packed``/``scales`` and update ``error``.
+
+    Args:
+        x: contiguous input of ``layout.numel`` values (fp32, bf16 or fp16).
+        error: fp32 worker error, ``layout.padded_numel`` values, updated in place.
+        mask: bool, ``padded_numel``; False where the coordinate is frozen and on the padding.
+        counts: fp32, ``layout.num_blocks``: unmasked values per block, clamped to >= 1.
+        packed: uint8 output, ``padded_numel // 8`` bytes.
+        scales: fp32 output, ``layout.num_blocks`` values.
+        buf: scratch for ``padded_numel`` values (CPU path); allocated when omitted.
+    """
+    if x.is_cuda:
+        from onebit_plugin.kernels import worker_compress as kernel
+
+        kernel(x, error, mask, counts, layout, packed, scales)
+        return
+    n, total = layout.numel, layout.padded_numel
+    buf = _check_buffers(buf, total, layout.block, x.device)
+    c = buf.c[:total]
+    torch.add(x.view(-1), error[:n], out=c[:n])
+    c[n:].zero_()
+    c.masked_fill_(mask.logical_not(), 0.0)
+    _compress_(c, error, mask, counts, layout.block, packed, scales, buf)
+
+
+def server_compress(
+    recv_packed: torch.Tensor,
+    recv_scales: torch.Tensor,
+    error: torch.Tensor,
+    mask: torch.Tensor,
+    counts: torch.Tensor,
+    layout: ChunkLayout,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    buf: CompressionBuffers | None = None,
+) -> None:
+    """Server side for this rank's chunk: average the W senders, add the error, recompress.
+
+    Args:
+        recv_packed: uint8 ``(W, chunk // 8)``: row ``k`` holds sender ``k``'s bits of the chunk.
+        recv_scales: fp32 ``(W, blocks_per_chunk)``.
+        error: fp32 server error, ``chunk`` values, updated in place.
+        mask, counts: this chunk's slices of the layout-wide mask and counts.
+        packed, scales: outputs, ``chunk // 8`` bytes and ``blocks_per_chunk`` values.
+        buf: scratch for ``W * chunk`` values (CPU path); allocated when omitted.
+    """
+    if recv_packed.is_cuda:
+        from onebit_plugin.kernels import server_compress as kernel
+
+        kernel(recv_packed, recv_scales, error, mask, counts, layout, packed, scales)
+        return
+    world, chunk, block = layout.world_size, layout.chunk, layout.block
+    buf = _check_buffers(buf, world * chunk, block, recv_packed.device)
+    decoded = buf.scratch[: world * chunk]
+    torch.index_select(
+        _sign_table(recv_packed.device), 0, recv_packed.view(-1).to(torch.int32),
+        out=decoded.view(-1, 8),
+    )
+    decoded.view(world, -1, block).mul_(recv_scales.view(world, -1, 1))
+    # Senders are summed in rank order and then divided by W, as the kernel's loop does.
+    y = buf.c[:chunk]
+    torch.sum(decoded.view(world, chunk), dim=0, out=y)
+    y.div_(world)
+    y.masked_fill_(mask.logical_not(), 0.0)
+    y.add_(error)
+    _compress_(y, error, mask, counts, block, packed, scales, buf)
+
+
+def decompress(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    mask: torch.Tensor,
+    layout: ChunkLayout,
+    out: torch.Tensor,
+    buf: CompressionBuffers | None = None,
+) -> None:
+    """Decode every chunk into ``out``: contiguous, ``layout.numel`` values, any float dtype."""
+    if packed.is_cuda:
+        from onebit_plugin.kernels import decompress as kernel
+
+        kernel(packed, scales, mask, layout, out)
+        return
+    total = layout.padded_numel
+    buf = _check_buffers(buf, total, layout.block, packed.device)
+    decoded = _decode_into(packed, scales, mask, layout.block, buf.scratch[:total])
+    out.view(-1).copy_(decoded[: layout.numel])
+
+
+def block_counts(mask: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+    """Unmasked values per block, as fp32 clamped to >= 1 (an all-masked block has scale 0)."""
+    counts = mask.view(layout.num_blocks, layout.block).sum(dim=1, dtype=torch.float32)
+    return counts.clamp_(min=1.0)
+
+
+def make_mask(layout: ChunkLayout, user_mask: torch.Tensor | None = None, device=None) -> torch.Tensor:
+    """The padded bool mask of a layout: True on the first ``numel`` values (and'ed with
+    ``user_mask`` when given), False on the padding."""
+    mask = torch.zeros(layout.padded_numel, dtype=torch.bool, device=device)
+    if user_mask is None:
+        mask[: layout.numel] = True
+    else:
+        if user_mask.numel() != layout.numel:
+            raise ValueError(
+                f"mask has {user_mask.numel()} values, the tensor it masks has {layout.numel}"
+            )
+        mask[: layout.numel] = user_mask.reshape(-1).to(device=mask.device, dtype=torch.bool)
+    return mask

@@ -1,0 +1,116 @@
+"""Triton kernels (under TRITON_INTERPRET=1 on the CPU) against the torch reference."""
+
+import pytest
+import torch
+
+from onebit_plugin import compression as ref
+from onebit_plugin.compression import ChunkLayout
+
+kernels = pytest.importorskip("onebit_plugin.kernels")
+
+# Ragged sizes: a single value, less than a byte, one byte, and sizes that leave partial bytes,
+# partial blocks and uneven chunks for 3 ranks.
+SIZES = [1, 7, 8, 1001, 4099]
+# (world size, max_block): one block per chunk, and several blocks per chunk.
+LAYOUTS = [(1, 2048), (3, 2048), (2, 64), (5, 128)]
+DTYPES = [torch.float32, torch.bfloat16]
+# Scales and errors: the block sum is reduced in another order (fp32, <= 2048 terms).
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _mask(layout: ChunkLayout, gen: torch.Generator) -> torch.Tensor:
+    user = torch.rand(layout.numel, generator=gen) > 0.2
+    return ref.make_mask(layout, user)
+
+
+def _inputs(numel, world, max_block, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed + numel + 31 * world)
+    layout = ChunkLayout.create(numel, world, max_block)
+    mask = _mask(layout, gen)
+    counts = ref.block_counts(mask, layout)
+    x = torch.randn(numel, generator=gen).to(dtype)
+    error = torch.randn(layout.padded_numel, generator=gen) * 0.1 * mask
+    return layout, mask, counts, x, error
+
+
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("world,max_block", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_worker_compress(numel, world, max_block, dtype):
+    layout, mask, counts, x, error = _inputs(numel, world, max_block, dtype)
+    outs = []
+    for fn in (ref.worker_compress, kernels.worker_compress):
+        err = error.clone()
+        packed = torch.empty(layout.padded_numel // 8, dtype=torch.uint8)
+        scales = torch.empty(layout.num_blocks)
+        fn(x, err, mask, counts, layout, packed, scales)
+        outs.append((packed, scales, err))
+    (p_ref, s_ref, e_ref), (p_k, s_k, e_k) = outs
+    assert torch.equal(p_k, p_ref)
+    torch.testing.assert_close(s_k, s_ref, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(e_k, e_ref, rtol=RTOL, atol=ATOL)
+    # Masked coordinates and the padding carry no error.
+    assert torch.all(e_k[~mask] == 0)
+
+
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("world,max_block", LAYOUTS)
+def test_server_compress(numel, world, max_block):
+    layout, mask, counts, _, _ = _inputs(numel, world, max_block, torch.float32, seed=1)
+    gen = torch.Generator().manual_seed(7)
+    chunk, blocks = layout.chunk, layout.blocks_per_chunk
+    recv_packed = torch.randint(0, 256, (world, chunk // 8), dtype=torch.uint8, generator=gen)
+    recv_scales = torch.rand(world, blocks, generator=gen)
+    rank = world - 1  # the last chunk holds the padding
+    own_mask = mask[rank * chunk : (rank + 1) * chunk]
+    own_counts = counts[rank * blocks : (rank + 1) * blocks]
+    error = torch.randn(chunk, generator=gen) * 0.1 * own_mask
+    outs = []
+    for fn in (ref.server_compress, kernels.server_compress):
+        err = error.clone()
+        packed = torch.empty(chunk // 8, dtype=torch.uint8)
+        scales = torch.empty(blocks)
+        fn(recv_packed, recv_scales, err, own_mask, own_counts, layout, packed, scales)
+        outs.append((packed, scales, err))
+    (p_ref, s_ref, e_ref), (p_k, s_k, e_k) = outs
+    assert torch.equal(p_k, p_ref)
+    torch.testing.assert_close(s_k, s_ref, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(e_k, e_ref, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("world,max_block", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decompress(numel, world, max_block, dtype):
+    layout, mask, _, _, _ = _inputs(numel, world, max_block, torch.float32, seed=2)
+    gen = torch.Generator().manual_seed(3)
+    packed = torch.randint(0, 256, (layout.padded_numel // 8,), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(layout.num_blocks, generator=gen)
+    out_ref = torch.full((numel,), float("nan"), dtype=dtype)
+    out_k = out_ref.clone()
+    ref.decompress(packed, scales, mask, layout, out_ref)
+    kernels.decompress(packed, scales, mask, layout, out_k)
+    # Decoding is exact: +-scale or 0, then one rounding to the output dtype.
+    if dtype == torch.float32:
+        assert torch.equal(out_k, out_ref)
+    else:
+        # The interpreter converts fp32 to bf16 by truncation, torch (and the GPU) round to
+        # nearest: the two differ by at most one bf16 ulp (2**-7 relative), and only there.
+        ulp = out_ref.float().abs() * 2**-7
+        assert torch.all((out_k.float() - out_ref.float()).abs() <= ulp)
+        assert torch.all(out_k.float().abs() <= out_ref.float().abs())
+    assert torch.all(out_ref[~mask[:numel]] == 0)
+
+
+def test_reference_bit_convention():
+    """Bit i of byte k is element 8k+i, set for >= 0 (zero is sent as +1); scale = mean |c|."""
+    layout = ChunkLayout.create(8, 1, 8)
+    mask = ref.make_mask(layout)
+    x = torch.tensor([1.0, -2.0, 0.0, 3.0, -4.0, 5.0, -6.0, 7.0])
+    err = torch.zeros(8)
+    packed = torch.empty(1, dtype=torch.uint8)
+    scales = torch.empty(1)
+    ref.worker_compress(x, err, mask, ref.block_counts(mask, layout), layout, packed, scales)
+    assert packed.item() == 0b10101101
+    assert scales.item() == pytest.approx(28.0 / 8)
+    torch.testing.assert_close(err, x - 3.5 * torch.where(x >= 0, 1.0, -1.0))
