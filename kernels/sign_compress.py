@@ -19,6 +19,14 @@ from onebit_plugin.compression import ChunkLayout
 
 
 @triton.jit
+def _block_scale(c, count, RMS: tl.constexpr):
+    if RMS:
+        # sqrt_rn: correctly rounded, like torch.sqrt (plain sqrt may be approximate on GPUs).
+        return tl.sqrt_rn(tl.sum(tl.sum(c * c, axis=1), axis=0) / count)
+    return tl.sum(tl.sum(tl.abs(c), axis=1), axis=0) / count
+
+
+@triton.jit
 def _worker_compress_kernel(
     x_ptr,
     err_ptr,
@@ -29,6 +37,7 @@ def _worker_compress_kernel(
     n,
     block,
     BYTES: tl.constexpr,
+    RMS: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     rows = tl.arange(0, BYTES)
@@ -40,7 +49,7 @@ def _worker_compress_kernel(
     x = tl.load(x_ptr + offs, mask=in_block & (offs < n), other=0.0).to(tl.float32)
     err = tl.load(err_ptr + offs, mask=in_block, other=0.0)
     c = tl.where(keep, x + err, 0.0)
-    scale = tl.sum(tl.sum(tl.abs(c), axis=1), axis=0) / tl.load(counts_ptr + pid)
+    scale = _block_scale(c, tl.load(counts_ptr + pid), RMS)
     positive = c >= 0
     byte = tl.sum(positive.to(tl.int32) << cols[None, :], axis=1)
     tl.store(packed_ptr + pid * (block // 8) + rows, byte.to(tl.uint8), mask=rows < block // 8)
@@ -62,6 +71,7 @@ def _server_compress_kernel(
     block,
     blocks_per_chunk,
     BYTES: tl.constexpr,
+    RMS: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     rows = tl.arange(0, BYTES)
@@ -82,7 +92,7 @@ def _server_compress_kernel(
     keep = tl.load(mask_ptr + offs, mask=in_block, other=0) != 0
     err = tl.load(err_ptr + offs, mask=in_block, other=0.0)
     y = tl.where(keep, total / world, 0.0) + err
-    scale = tl.sum(tl.sum(tl.abs(y), axis=1), axis=0) / tl.load(counts_ptr + pid)
+    scale = _block_scale(y, tl.load(counts_ptr + pid), RMS)
     positive = y >= 0
     out_byte = tl.sum(positive.to(tl.int32) << cols[None, :], axis=1)
     tl.store(packed_ptr + byte_offs, out_byte.to(tl.uint8), mask=row_ok)
@@ -116,6 +126,7 @@ def worker_compress(x, error, mask, counts, layout: ChunkLayout, packed, scales)
     _worker_compress_kernel[(layout.num_blocks,)](
         x.view(-1), error, mask.view(torch.uint8), counts, packed, scales,
         layout.numel, layout.block, BYTES=_tile_bytes(layout.block),
+        RMS=layout.scale == "rms",
     )
 
 
@@ -125,7 +136,7 @@ def server_compress(recv_packed, recv_scales, error, mask, counts, layout: Chunk
     _server_compress_kernel[(layout.blocks_per_chunk,)](
         recv_packed, recv_scales, error, mask.view(torch.uint8), counts, packed, scales,
         layout.world_size, layout.block, layout.blocks_per_chunk,
-        BYTES=_tile_bytes(layout.block),
+        BYTES=_tile_bytes(layout.block), RMS=layout.scale == "rms",
     )
 
 

@@ -7,6 +7,7 @@ error feedback on the worker and the server side, about 1/32 of an fp32 allreduc
 
 from onebit_plugin.allreduce import CompressedAllreduce, compressed_allreduce
 from onebit_plugin.compression import ChunkLayout
+from onebit_plugin.optimizer import OneBitAdam
 
-__all__ = ["ChunkLayout", "CompressedAllreduce", "compressed_allreduce"]
+__all__ = ["ChunkLayout", "CompressedAllreduce", "OneBitAdam", "compressed_allreduce"]
 __version__ = "0.1.0"

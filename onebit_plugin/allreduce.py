@@ -57,7 +57,9 @@ class CompressedAllreduce:
             world size is 1: the tensor is still compressed, nothing is sent.
         max_block: largest number of values that share one fp32 scale (a multiple of 8). Smaller
             blocks follow the magnitudes more closely and cost ``4 / max_block`` bytes per value:
-            2048 adds 0.2% to the 1-bit payload, 256 adds 1.6%.
+            2048 adds 1.6% to the 1-bit payload (0.05% of the fp32 bytes), 256 adds 12.5%.
+        scale: ``"rms"`` (default) or ``"mean"``: the block scale rule; see
+            ``onebit_plugin.compression`` for the measurement behind the default.
         mask: optional bool tensor of ``numel`` values; False marks coordinates that are frozen
             at zero (the result is exactly 0 there and they never collect error).
         device: where buffers live (default: CPU).
@@ -76,13 +78,14 @@ class CompressedAllreduce:
         group: dist.ProcessGroup | None = None,
         *,
         max_block: int = 2048,
+        scale: str = "rms",
         mask: torch.Tensor | None = None,
         device: torch.device | str | None = None,
     ):
         self.group = group
         self.world_size, self.rank = _group_size_and_rank(group)
         self.max_block = max_block
-        self.layout = ChunkLayout.create(numel, self.world_size, max_block)
+        self.layout = ChunkLayout.create(numel, self.world_size, max_block, scale)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         lay, dev = self.layout, self.device
         self.worker_error = torch.zeros(lay.padded_numel, dtype=torch.float32, device=dev)
@@ -250,6 +253,7 @@ class CompressedAllreduce:
             "numel": self.numel,
             "world_size": self.world_size,
             "max_block": self.max_block,
+            "scale": self.layout.scale,
             "worker_error": self.worker_error.clone(),
             "server_error": self.server_error.clone(),
             "bytes_sent": self.bytes_sent,
@@ -264,10 +268,11 @@ class CompressedAllreduce:
                 f"numel={state['numel']}, world_size={state['world_size']}; this one has "
                 f"numel={self.numel}, world_size={self.world_size}"
             )
-        if state["max_block"] != self.max_block:
+        saved = (state["max_block"], state["scale"])
+        if saved != (self.max_block, self.layout.scale):
             raise ValueError(
-                f"compressed allreduce state was saved with max_block={state['max_block']}, "
-                f"this one has max_block={self.max_block}"
+                f"compressed allreduce state was saved with (max_block, scale)={saved}, "
+                f"this one has {(self.max_block, self.layout.scale)}"
             )
         self.worker_error.copy_(state["worker_error"])
         self.server_error.copy_(state["server_error"])

@@ -14,9 +14,12 @@ Conventions, shared bit for bit with the kernels:
 
 * bit ``i`` of byte ``k`` holds element ``8k + i`` (LSB first); a set bit means ``value >= 0``,
   so zero is sent as ``+1`` -- the mask is what keeps always-zero coordinates at zero;
-* the scale of a block is ``sum(|c|) / count`` where ``count`` is the number of unmasked
-  coordinates in the block (at least 1): the mean of ``|c|`` is the L2-optimal scale for a sign
-  compressor, and masked/padding coordinates must not dilute it;
+* the scale of a block is its root mean square over the unmasked coordinates,
+  ``sqrt(sum(c**2) / count)`` (``count`` >= 1), or with ``scale="mean"`` the mean ``|c|``.
+  The mean is the L2-optimal scale of one compression, but under error feedback it drains the
+  error of coordinates larger than the block's typical value too slowly: on a persistent signal
+  plus noise the running-average error after 400 calls was 4.8% with the mean and 0.9% with
+  the RMS (``benchmarks/scale_rule.py``). Masked and padding coordinates never dilute it;
 * masked coordinates (the padding tail included) decode to exactly 0 and keep a zero error.
 """
 
@@ -43,6 +46,7 @@ __all__ = [
 _PACK_MAGIC = 0x0102040810204080
 # Decoding is one gather from a 256 x 8 table of +-1: 2.3 ms for 8M values on one core, ten
 # times faster than shifting and masking each bit.
+SCALE_RULES = ("rms", "mean")
 _SIGN_TABLES: dict[torch.device, torch.Tensor] = {}
 
 
@@ -69,9 +73,14 @@ class ChunkLayout:
     world_size: int
     block: int
     blocks_per_chunk: int
+    scale: str = "rms"
 
     @classmethod
-    def create(cls, numel: int, world_size: int, max_block: int = 2048) -> ChunkLayout:
+    def create(
+        cls, numel: int, world_size: int, max_block: int = 2048, scale: str = "rms"
+    ) -> ChunkLayout:
+        if scale not in SCALE_RULES:
+            raise ValueError(f"scale must be one of {SCALE_RULES}, got {scale!r}")
         if numel < 1:
             raise ValueError(f"numel must be >= 1, got {numel}")
         if world_size < 1:
@@ -82,7 +91,7 @@ class ChunkLayout:
         blocks = -(-per_rank // max_block)
         block = -(-per_rank // blocks)
         block = -(-block // 8) * 8
-        return cls(numel, world_size, block, blocks)
+        return cls(numel, world_size, block, blocks, scale)
 
     @property
     def chunk(self) -> int:
@@ -120,7 +129,7 @@ class CompressionBuffers:
         self.scratch = torch.empty(num_values, dtype=torch.float32, device=device)
         self.bits = torch.empty(num_values, dtype=torch.bool, device=device)
         self.packed64 = torch.empty(num_values // 8, dtype=torch.int64, device=device)
-        self.abs_sums = torch.empty(num_values // block, dtype=torch.float32, device=device)
+        self.block_sums = torch.empty(num_values // block, dtype=torch.float32, device=device)
 
 
 def _compress_(
@@ -128,26 +137,31 @@ def _compress_(
     error: torch.Tensor,
     mask: torch.Tensor,
     counts: torch.Tensor,
-    block: int,
+    layout: ChunkLayout,
     packed: torch.Tensor,
     scales: torch.Tensor,
     buf: CompressionBuffers,
 ) -> None:
     """Compress ``c`` (masked, fp32, whole blocks): write ``packed``, ``scales`` and
     ``error = c - decode(packed, scales)``."""
-    size = c.numel()
+    size, block = c.numel(), layout.block
     blocks = size // block
-    abs_c = buf.scratch[:size]
-    torch.abs(c, out=abs_c)
-    torch.sum(abs_c.view(blocks, block), dim=1, out=buf.abs_sums[:blocks])
-    torch.div(buf.abs_sums[:blocks], counts, out=scales)
+    tmp = buf.scratch[:size]
+    if layout.scale == "rms":
+        torch.mul(c, c, out=tmp)
+    else:
+        torch.abs(c, out=tmp)
+    torch.sum(tmp.view(blocks, block), dim=1, out=buf.block_sums[:blocks])
+    torch.div(buf.block_sums[:blocks], counts, out=scales)
+    if layout.scale == "rms":
+        scales.sqrt_()
     bits = buf.bits[:size]
     torch.ge(c, 0, out=bits)
     packed64 = buf.packed64[: size // 8]
     torch.mul(bits.view(torch.uint8).view(torch.int64), _PACK_MAGIC, out=packed64)
     packed64.bitwise_right_shift_(56)
     packed.copy_(packed64)
-    torch.sub(c, _decode_into(packed, scales, mask, block, abs_c), out=error)
+    torch.sub(c, _decode_into(packed, scales, mask, block, tmp), out=error)
 
 
 def _decode_into(
@@ -161,7 +175,9 @@ def _decode_into(
     return out
 
 
-def _check_buffers(buf: CompressionBuffers | None, size: int, block: int, device) -> CompressionBuffers:
+def _check_buffers(
+    buf: CompressionBuffers | None, size: int, block: int, device
+) -> CompressionBuffers:
     if buf is None:
         return CompressionBuffers(size, block, device)
     if buf.c.numel() < size:
@@ -201,7 +217,7 @@ def worker_compress(
     torch.add(x.view(-1), error[:n], out=c[:n])
     c[n:].zero_()
     c.masked_fill_(mask.logical_not(), 0.0)
-    _compress_(c, error, mask, counts, layout.block, packed, scales, buf)
+    _compress_(c, error, mask, counts, layout, packed, scales, buf)
 
 
 def server_compress(
@@ -244,7 +260,7 @@ def server_compress(
     y.div_(world)
     y.masked_fill_(mask.logical_not(), 0.0)
     y.add_(error)
-    _compress_(y, error, mask, counts, block, packed, scales, buf)
+    _compress_(y, error, mask, counts, layout, packed, scales, buf)
 
 
 def decompress(
@@ -273,7 +289,9 @@ def block_counts(mask: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
     return counts.clamp_(min=1.0)
 
 
-def make_mask(layout: ChunkLayout, user_mask: torch.Tensor | None = None, device=None) -> torch.Tensor:
+def make_mask(
+    layout: ChunkLayout, user_mask: torch.Tensor | None = None, device=None
+) -> torch.Tensor:
     """The padded bool mask of a layout: True on the first ``numel`` values (and'ed with
     ``user_mask`` when given), False on the padding."""
     mask = torch.zeros(layout.padded_numel, dtype=torch.bool, device=device)

@@ -13,6 +13,7 @@ kernels = pytest.importorskip("onebit_plugin.kernels")
 SIZES = [1, 7, 8, 1001, 4099]
 # (world size, max_block): one block per chunk, and several blocks per chunk.
 LAYOUTS = [(1, 2048), (3, 2048), (2, 64), (5, 128)]
+SCALES = ["rms", "mean"]
 DTYPES = [torch.float32, torch.bfloat16]
 # Scales and errors: the block sum is reduced in another order (fp32, <= 2048 terms).
 RTOL, ATOL = 1e-5, 1e-6
@@ -23,9 +24,9 @@ def _mask(layout: ChunkLayout, gen: torch.Generator) -> torch.Tensor:
     return ref.make_mask(layout, user)
 
 
-def _inputs(numel, world, max_block, dtype, seed=0):
+def _inputs(numel, world, max_block, dtype, seed=0, scale="rms"):
     gen = torch.Generator().manual_seed(seed + numel + 31 * world)
-    layout = ChunkLayout.create(numel, world, max_block)
+    layout = ChunkLayout.create(numel, world, max_block, scale)
     mask = _mask(layout, gen)
     counts = ref.block_counts(mask, layout)
     x = torch.randn(numel, generator=gen).to(dtype)
@@ -36,8 +37,9 @@ def _inputs(numel, world, max_block, dtype, seed=0):
 @pytest.mark.parametrize("numel", SIZES)
 @pytest.mark.parametrize("world,max_block", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_worker_compress(numel, world, max_block, dtype):
-    layout, mask, counts, x, error = _inputs(numel, world, max_block, dtype)
+@pytest.mark.parametrize("scale", SCALES)
+def test_worker_compress(numel, world, max_block, dtype, scale):
+    layout, mask, counts, x, error = _inputs(numel, world, max_block, dtype, scale=scale)
     outs = []
     for fn in (ref.worker_compress, kernels.worker_compress):
         err = error.clone()
@@ -55,8 +57,9 @@ def test_worker_compress(numel, world, max_block, dtype):
 
 @pytest.mark.parametrize("numel", SIZES)
 @pytest.mark.parametrize("world,max_block", LAYOUTS)
-def test_server_compress(numel, world, max_block):
-    layout, mask, counts, _, _ = _inputs(numel, world, max_block, torch.float32, seed=1)
+@pytest.mark.parametrize("scale", SCALES)
+def test_server_compress(numel, world, max_block, scale):
+    layout, mask, counts, _, _ = _inputs(numel, world, max_block, torch.float32, 1, scale)
     gen = torch.Generator().manual_seed(7)
     chunk, blocks = layout.chunk, layout.blocks_per_chunk
     recv_packed = torch.randint(0, 256, (world, chunk // 8), dtype=torch.uint8, generator=gen)
@@ -102,9 +105,11 @@ def test_decompress(numel, world, max_block, dtype):
     assert torch.all(out_ref[~mask[:numel]] == 0)
 
 
-def test_reference_bit_convention():
-    """Bit i of byte k is element 8k+i, set for >= 0 (zero is sent as +1); scale = mean |c|."""
-    layout = ChunkLayout.create(8, 1, 8)
+@pytest.mark.parametrize("scale", SCALES)
+def test_reference_bit_convention(scale):
+    """Bit i of byte k is element 8k+i, set for >= 0 (zero is sent as +1); scale = RMS or
+    mean |c|."""
+    layout = ChunkLayout.create(8, 1, 8, scale)
     mask = ref.make_mask(layout)
     x = torch.tensor([1.0, -2.0, 0.0, 3.0, -4.0, 5.0, -6.0, 7.0])
     err = torch.zeros(8)
@@ -112,5 +117,6 @@ def test_reference_bit_convention():
     scales = torch.empty(1)
     ref.worker_compress(x, err, mask, ref.block_counts(mask, layout), layout, packed, scales)
     assert packed.item() == 0b10101101
-    assert scales.item() == pytest.approx(28.0 / 8)
-    torch.testing.assert_close(err, x - 3.5 * torch.where(x >= 0, 1.0, -1.0))
+    expected = (140.0 / 8) ** 0.5 if scale == "rms" else 28.0 / 8
+    assert scales.item() == pytest.approx(expected)
+    torch.testing.assert_close(err, x - expected * torch.where(x >= 0, 1.0, -1.0))

@@ -1,0 +1,96 @@
+"""Run a function on N gloo ranks in forked processes and collect what each returns."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, queue, args):
+    try:
+        torch.set_num_threads(1)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        try:
+            queue.put((rank, "ok", fn(rank, world_size, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 180.0) -> list:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results
+    in rank order. Fork start keeps each launch well under a second; a rank that raises fails
+    the caller with that rank's traceback."""
+    ctx = mp.get_context("fork")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, args), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors = []
+    import time
+
+    deadline = time.monotonic() + timeout
+    while len(results) + len(errors) < world_size:
+        if time.monotonic() > deadline:
+            break
+        if queue.empty():
+            if not any(p.is_alive() for p in procs) and queue.empty():
+                break
+            time.sleep(0.01)
+            continue
+        rank, status, value = queue.get()
+        if status == "ok":
+            results[rank] = value
+        else:
+            errors.append(f"rank {rank}:\n{value}")
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    if len(results) != world_size:
+        raise RuntimeError(
+            f"only ranks {sorted(results)} of {world_size} finished within {timeout:.0f} s"
+        )
+    return [results[r] for r in range(world_size)]
+
+
+def assert_ranks_identical(per_rank: list, what: str = "tensors") -> None:
+    """Every rank's tensors (a tensor, or a list/dict of them) are bitwise equal to rank 0's."""
+    first = per_rank[0]
+    for rank, other in enumerate(per_rank[1:], start=1):
+        _assert_equal(first, other, f"{what}: rank {rank} differs from rank 0")
+
+
+def _assert_equal(a, b, msg):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), msg
+        for k in a:
+            _assert_equal(a[k], b[k], f"{msg} at {k!r}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), msg
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_equal(x, y, f"{msg} at [{i}]")
+    elif torch.is_tensor(a):
+        assert torch.equal(a, b), msg
+    else:
+        assert a == b, msg
