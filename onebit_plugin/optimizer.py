@@ -123,6 +123,9 @@ class OneBitAdam(Optimizer):
         average_grads: average gradients across ranks during warm-up. Set False when something
             else already did (DDP without the onebit comm hook); the compression stage always
             communicates the momentum itself.
+        compress_momentum: False averages the momentum with an exact fp32 allreduce in the
+            compression stage: frozen-variance Adam without compression, the ablation that
+            separates the cost of freezing the variance from the cost of the 1-bit exchange.
 
     Attributes (for callbacks and logs): ``stage`` (``"warmup"`` or ``"compression"``),
     ``global_step`` (completed steps), ``switch_step`` (the step after which compression
@@ -147,6 +150,7 @@ class OneBitAdam(Optimizer):
         masks: dict[torch.Tensor, torch.Tensor] | None = None,
         process_group: dist.ProcessGroup | None = None,
         average_grads: bool = True,
+        compress_momentum: bool = True,
     ):
         _check_hparams(lr, betas, eps, weight_decay)
         if freeze_step is None:
@@ -173,6 +177,7 @@ class OneBitAdam(Optimizer):
         self.mask_zero_variance = mask_zero_variance
         self.process_group = process_group
         self.average_grads = average_grads
+        self.compress_momentum = compress_momentum
         self._masks = {}
         for p, m in (masks or {}).items():
             if m.shape != p.shape:
@@ -190,8 +195,8 @@ class OneBitAdam(Optimizer):
         self.comm: CompressedAllreduce | None = None
         self._flat_momentum: torch.Tensor | None = None
         self._grad_flat: torch.Tensor | None = None
-        self._warmup_bytes = 0
-        self._warmup_dense_bytes = 0
+        self._uncompressed_sent = 0
+        self._uncompressed_dense = 0
 
     # ----------------------------------------------------------------------------- properties
     @property
@@ -206,11 +211,11 @@ class OneBitAdam(Optimizer):
 
     @property
     def bytes_sent(self) -> int:
-        return self._warmup_bytes + (self.comm.bytes_sent if self.comm is not None else 0)
+        return self._uncompressed_sent + (self.comm.bytes_sent if self.comm is not None else 0)
 
     @property
     def dense_bytes(self) -> int:
-        return self._warmup_dense_bytes + (self.comm.dense_bytes if self.comm is not None else 0)
+        return self._uncompressed_dense + (self.comm.dense_bytes if self.comm is not None else 0)
 
     @property
     def compression_ratio(self) -> float:
@@ -298,8 +303,8 @@ class OneBitAdam(Optimizer):
         dist.all_reduce(flat, group=self.process_group)
         world = self.world_size
         flat[:total].div_(world)
-        self._warmup_bytes += _ring_bytes(flat.nbytes, world)
-        self._warmup_dense_bytes += _ring_bytes(4 * total, world)
+        self._uncompressed_sent += _ring_bytes(flat.nbytes, world)
+        self._uncompressed_dense += _ring_bytes(4 * total, world)
         offset = 0
         for i, p in enumerate(params):
             view = flat[offset : offset + p.numel()].view_as(p)
@@ -364,9 +369,15 @@ class OneBitAdam(Optimizer):
                 if coupled_wd:
                     grad = grad.add(p, alpha=wd)
                 exp_avg.lerp_(grad, 1 - beta1)
-        if self.world_size > 1:
+        world = self.world_size
+        if world > 1 and self.compress_momentum:
             self.comm(self._flat_momentum)
         else:
+            if world > 1:
+                dist.all_reduce(self._flat_momentum, group=self.process_group)
+                self._flat_momentum.div_(world)
+                self._uncompressed_sent += _ring_bytes(self._flat_momentum.nbytes, world)
+                self._uncompressed_dense += _ring_bytes(self._flat_momentum.nbytes, world)
             self._flat_momentum.masked_fill_(self._keep.logical_not(), 0.0)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
@@ -391,8 +402,8 @@ class OneBitAdam(Optimizer):
             "global_step": self.global_step,
             "freeze_step": self.freeze_step,
             "switch_step": self.switch_step,
-            "warmup_bytes": self._warmup_bytes,
-            "warmup_dense_bytes": self._warmup_dense_bytes,
+            "uncompressed_sent": self._uncompressed_sent,
+            "uncompressed_dense": self._uncompressed_dense,
             "comm": self.comm.state_dict() if self.comm is not None else None,
         }
         return sd
@@ -414,8 +425,8 @@ class OneBitAdam(Optimizer):
             return
         self.global_step = int(onebit["global_step"])
         self.switch_step = onebit["switch_step"]
-        self._warmup_bytes = int(onebit["warmup_bytes"])
-        self._warmup_dense_bytes = int(onebit["warmup_dense_bytes"])
+        self._uncompressed_sent = int(onebit["uncompressed_sent"])
+        self._uncompressed_dense = int(onebit["uncompressed_dense"])
         self.comm = None
         self._flat_momentum = None
         if self.switch_step is not None:

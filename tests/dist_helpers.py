@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import os
 import socket
+import time
 import traceback
 
 import torch
@@ -23,7 +25,11 @@ def _worker(fn, rank, world_size, port, queue, args):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         try:
-            queue.put((rank, "ok", fn(rank, world_size, *args)))
+            # Plain bytes: torch's queues would share tensors through file descriptors that
+            # vanish when this process exits before the parent reads them.
+            payload = io.BytesIO()
+            torch.save(fn(rank, world_size, *args), payload)
+            queue.put((rank, "ok", payload.getvalue()))
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -45,8 +51,6 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180.0) -> list:
         p.start()
     results: dict[int, object] = {}
     errors = []
-    import time
-
     deadline = time.monotonic() + timeout
     while len(results) + len(errors) < world_size:
         if time.monotonic() > deadline:
@@ -58,7 +62,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180.0) -> list:
             continue
         rank, status, value = queue.get()
         if status == "ok":
-            results[rank] = value
+            results[rank] = torch.load(io.BytesIO(value), weights_only=False)
         else:
             errors.append(f"rank {rank}:\n{value}")
     for p in procs:

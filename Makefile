@@ -1,0 +1,42 @@
+# Two commands: `make demo` (the main job) and `make test`. Each creates .venv when missing and
+# installs what it needs. torch is pinned to 2.13.0: that CPU build lies on this machine's disk,
+# while an unpinned torch would download a CUDA build of several GB.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH_VERSION ?= 2.13.0
+NPROC ?= 2
+DEMO_DIR ?= demo_out
+
+.PHONY: install demo test lint bench clean
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	mkdir -p $(DEMO_DIR)
+	$(VENV)/bin/torchrun --nproc_per_node $(NPROC) examples/train_torchrun.py \
+		--json $(DEMO_DIR)/onebit.json
+	$(VENV)/bin/torchrun --nproc_per_node $(NPROC) examples/train_torchrun.py --baseline \
+		--json $(DEMO_DIR)/adam.json
+	$(PY) examples/summarize.py $(DEMO_DIR)/adam.json $(DEMO_DIR)/onebit.json
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/compression_throughput.py
+	benchmarks/accuracy.sh
+
+clean:
+	rm -rf $(DEMO_DIR) .pytest_cache build *.egg-info

@@ -1,0 +1,32 @@
+"""Side-by-side summary of two train_torchrun.py runs (their --json outputs)."""
+
+import json
+import sys
+
+
+def main(paths: list[str]) -> None:
+    runs = [json.load(open(p)) for p in paths]
+    rows = [
+        ("final validation loss", lambda r: f"{r['final_val_loss']:.4f}"),
+        ("bytes sent per rank (MiB)", lambda r: f"{r['bytes_sent'] / 2**20:.2f}"),
+        ("fp32 allreduce would send (MiB)", lambda r: f"{r['dense_bytes'] / 2**20:.2f}"),
+        ("compression-stage reduction", lambda r: (
+            f"{1 - r['compression_stage_bytes'] / r['compression_stage_dense_bytes']:.2%}"
+            if r["compression_stage_dense_bytes"] else "-")),
+        ("mean step time (ms)", lambda r: ", ".join(
+            f"{k} {v * 1e3:.1f}" for k, v in r["mean_step_s"].items())),
+    ]
+    names = [r["optimizer"] for r in runs]
+    print()
+    print(f"{'':34s}" + "".join(f"{n:>26s}" for n in names))
+    for label, fmt in rows:
+        print(f"{label:34s}" + "".join(f"{fmt(r):>26s}" for r in runs))
+    base, other = runs[0], runs[-1]
+    print()
+    print(f"{other['optimizer']} vs {base['optimizer']}: validation loss "
+          f"{other['final_val_loss'] / base['final_val_loss'] - 1:+.2%}, bytes sent "
+          f"{base['bytes_sent'] / other['bytes_sent']:.2f}x less")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

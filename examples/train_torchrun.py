@@ -1,0 +1,126 @@
+"""Train the character-level GPT with OneBitAdam on plain torch.distributed (no DDP).
+
+    torchrun --nproc_per_node 2 examples/train_torchrun.py --steps 300 --freeze-step 60
+
+OneBitAdam averages the gradients itself during warm-up and exchanges the 1-bit momentum
+afterwards. ``--baseline`` trains the same model with the same data order with uncompressed Adam
+(OneBitAdam that never freezes, which equals torch.optim.Adam on the averaged gradient).
+Runs on CPU (gloo) or GPU (NCCL) unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from onebit_plugin import OneBitAdam
+
+try:
+    from charlm import CharGPT, evaluate, load_corpus, loss_fn, sample_batch
+except ImportError:  # imported as examples.train_torchrun
+    from examples.charlm import CharGPT, evaluate, load_corpus, loss_fn, sample_batch
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--freeze-step", type=int, default=60)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--max-block", type=int, default=2048)
+    p.add_argument("--scale", default="rms", choices=["rms", "mean"])
+    p.add_argument("--no-mask", action="store_true", help="disable the zero-variance mask")
+    p.add_argument("--baseline", action="store_true", help="uncompressed Adam instead")
+    p.add_argument("--exact-momentum", action="store_true",
+                   help="ablation: freeze the variance but average the momentum exactly")
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the summary to this file (rank 0)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    owns_group = "RANK" in os.environ and not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group(backend)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+                          if backend == "nccl" else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    model = CharGPT(dim=args.dim, layers=args.layers, context=args.context).to(device)
+    train, val = load_corpus()
+    opt = OneBitAdam(
+        model.parameters(), lr=args.lr,
+        freeze_step=10**12 if args.baseline else args.freeze_step,
+        max_block=args.max_block, scale=args.scale, mask_zero_variance=not args.no_mask,
+        compress_momentum=not args.exact_momentum,
+    )
+    gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
+    name = "Adam" if args.baseline else "OneBitAdam"
+    say = print if rank == 0 else (lambda *a, **k: None)
+    n_params = sum(p.numel() for p in model.parameters())
+    say(f"{name}: {n_params} parameters, {world} rank(s), {backend}, {args.steps} steps")
+    history = []
+    step_times = {"warmup": [], "compression": []}
+    for step in range(1, args.steps + 1):
+        x, y = (t.to(device) for t in sample_batch(train, args.batch, args.context, gen))
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        stage = opt.stage
+        opt.step()
+        step_times[stage].append(time.perf_counter() - start)
+        if opt.switch_step == step:
+            say(f"step {step}: variance frozen, compression stage starts "
+                f"(momentum now sent as 1-bit signs)")
+        if step % args.eval_every == 0 or step == args.steps:
+            val_loss = evaluate(model, val.to(device), args.context)
+            history.append((step, loss.item(), val_loss))
+            say(f"step {step:5d}  stage {opt.stage:11s}  train {loss.item():.3f}  "
+                f"val {val_loss:.3f}  sent {opt.bytes_sent / 2**20:8.2f} MiB  "
+                f"(fp32 allreduce: {opt.dense_bytes / 2**20:8.2f} MiB)")
+    summary = {
+        "optimizer": name,
+        "world_size": world,
+        "parameters": n_params,
+        "steps": args.steps,
+        "freeze_step": None if args.baseline else args.freeze_step,
+        "final_val_loss": history[-1][2],
+        "bytes_sent": opt.bytes_sent,
+        "dense_bytes": opt.dense_bytes,
+        "compression_stage_bytes": opt.comm.bytes_sent if opt.comm else 0,
+        "compression_stage_dense_bytes": opt.comm.dense_bytes if opt.comm else 0,
+        "mean_step_s": {k: sum(v) / len(v) for k, v in step_times.items() if v},
+        "history": history,
+    }
+    if opt.comm is not None and opt.comm.bytes_sent:
+        say(f"compression stage: {opt.comm.bytes_sent} bytes sent against "
+            f"{opt.comm.dense_bytes} for fp32 allreduce "
+            f"({1 - opt.comm.bytes_sent / opt.comm.dense_bytes:.2%} less)")
+    if opt.bytes_sent:
+        say(f"whole run: {opt.bytes_sent / 2**20:.2f} MiB sent, Adam would have sent "
+            f"{opt.dense_bytes / 2**20:.2f} MiB ({opt.compression_ratio:.2f}x less)")
+    if rank == 0 and args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    if owns_group:
+        dist.destroy_process_group()
+    return summary
+
+
+if __name__ == "__main__":
+    main()
