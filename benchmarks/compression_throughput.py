@@ -38,8 +38,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     lay = C.ChunkLayout.create(args.numel, args.world, args.max_block)
-    mask = C.make_mask(lay)
-    counts = C.block_counts(mask, lay)
+    mask = C.CoordinateMask.build(lay)
     buf = C.CompressionBuffers(lay.padded_numel, lay.block)
     x = torch.randn(args.numel)
     err = torch.zeros(lay.padded_numel)
@@ -56,10 +55,10 @@ def main() -> None:
     rows = [
         ("fp32 copy (reference)", lambda: dst.copy_(x), 8 * n),
         ("worker compress", lambda: C.worker_compress(
-            x, err, mask, counts, lay, packed, scales, buf), 12 * n),
+            x, err, mask, lay, packed, scales, buf), 12 * n),
         ("server compress (1 chunk)", lambda: C.server_compress(
-            recv_packed, recv_scales, server_err, mask[: lay.chunk], counts[: lay.blocks_per_chunk],
-            lay, own_packed, own_scales, buf), 8 * lay.chunk),
+            recv_packed, recv_scales, server_err, mask.chunk(lay, 0), lay, own_packed,
+            own_scales, buf), 8 * lay.chunk),
         ("decompress", lambda: C.decompress(packed, scales, mask, lay, out, buf), 4 * n),
     ]
     print(f"numel={n} world={args.world} block={lay.block} threads={args.threads} "

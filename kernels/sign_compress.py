@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from onebit_plugin.compression import ChunkLayout
+from onebit_plugin.compression import ChunkLayout, CoordinateMask
 
 
 @triton.jit
@@ -121,28 +121,28 @@ def _tile_bytes(block: int) -> int:
     return max(2, triton.next_power_of_2(block // 8))
 
 
-def worker_compress(x, error, mask, counts, layout: ChunkLayout, packed, scales) -> None:
+def worker_compress(x, error, mask: CoordinateMask, layout: ChunkLayout, packed, scales) -> None:
     """Launcher of the worker pass; arguments as ``onebit_plugin.compression.worker_compress``."""
     _worker_compress_kernel[(layout.num_blocks,)](
-        x.view(-1), error, mask.view(torch.uint8), counts, packed, scales,
+        x.view(-1), error, mask.keep.view(torch.uint8), mask.counts, packed, scales,
         layout.numel, layout.block, BYTES=_tile_bytes(layout.block),
         RMS=layout.scale == "rms",
     )
 
 
-def server_compress(recv_packed, recv_scales, error, mask, counts, layout: ChunkLayout, packed,
-                    scales) -> None:
+def server_compress(recv_packed, recv_scales, error, mask: CoordinateMask, layout: ChunkLayout,
+                    packed, scales) -> None:
     """Launcher of the server pass; arguments as ``onebit_plugin.compression.server_compress``."""
     _server_compress_kernel[(layout.blocks_per_chunk,)](
-        recv_packed, recv_scales, error, mask.view(torch.uint8), counts, packed, scales,
+        recv_packed, recv_scales, error, mask.keep.view(torch.uint8), mask.counts, packed, scales,
         layout.world_size, layout.block, layout.blocks_per_chunk,
         BYTES=_tile_bytes(layout.block), RMS=layout.scale == "rms",
     )
 
 
-def decompress(packed, scales, mask, layout: ChunkLayout, out) -> None:
+def decompress(packed, scales, mask: CoordinateMask, layout: ChunkLayout, out) -> None:
     """Launcher of the final decode; arguments as ``onebit_plugin.compression.decompress``."""
     _decompress_kernel[(layout.num_blocks,)](
-        packed, scales, mask.view(torch.uint8), out.view(-1), layout.numel, layout.block,
+        packed, scales, mask.keep.view(torch.uint8), out.view(-1), layout.numel, layout.block,
         BYTES=_tile_bytes(layout.block),
     )

@@ -25,9 +25,8 @@ import torch.distributed as dist
 from onebit_plugin.compression import (
     ChunkLayout,
     CompressionBuffers,
-    block_counts,
+    CoordinateMask,
     decompress,
-    make_mask,
     server_compress,
     worker_compress,
 )
@@ -123,12 +122,10 @@ class CompressedAllreduce:
 
         The errors of newly masked coordinates are cleared, so they never leak into later calls.
         """
-        self.mask = make_mask(self.layout, mask, self.device)
-        self.counts = block_counts(self.mask, self.layout)
-        self.worker_error.masked_fill_(self.mask.logical_not(), 0.0)
-        chunk = self.layout.chunk
-        own_mask = self.mask[self.rank * chunk : (self.rank + 1) * chunk]
-        self.server_error.masked_fill_(own_mask.logical_not(), 0.0)
+        self.mask = CoordinateMask.build(self.layout, mask, self.device)
+        self._chunk_mask = self.mask.chunk(self.layout, self.rank)
+        self.mask.zero_(self.worker_error)
+        self._chunk_mask.zero_(self.server_error)
 
     def _check(self, tensor: torch.Tensor) -> None:
         if tensor.numel() != self.numel:
@@ -188,15 +185,11 @@ class CompressedAllreduce:
                 self._reduce(tensor)
 
     def _reduce(self, tensor: torch.Tensor) -> None:
-        lay, world, rank = self.layout, self.world_size, self.rank
+        lay, world = self.layout, self.world_size
         buf = self._scratch
         worker_compress(
-            tensor, self.worker_error, self.mask, self.counts, lay,
-            self._send_packed, self._send_scales, buf,
+            tensor, self.worker_error, self.mask, lay, self._send_packed, self._send_scales, buf
         )
-        chunk, blocks = lay.chunk, lay.blocks_per_chunk
-        own = slice(rank * chunk, (rank + 1) * chunk)
-        own_blocks = slice(rank * blocks, (rank + 1) * blocks)
         if world > 1:
             works = [
                 dist.all_to_all_single(
@@ -217,8 +210,8 @@ class CompressedAllreduce:
             self._recv_scales.view(-1).copy_(self._send_scales)
             sent = 0
         server_compress(
-            self._recv_packed, self._recv_scales, self.server_error, self.mask[own],
-            self.counts[own_blocks], lay, self._own_packed, self._own_scales, buf,
+            self._recv_packed, self._recv_scales, self.server_error, self._chunk_mask, lay,
+            self._own_packed, self._own_scales, buf,
         )
         if world > 1:
             works = [

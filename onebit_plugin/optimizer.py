@@ -344,9 +344,9 @@ class OneBitAdam(Optimizer):
             if p in self._masks:
                 keep[offset : offset + n] &= self._masks[p].reshape(-1)
             offset += n
-        flat.masked_fill_(keep.logical_not(), 0.0)
+        self._masked_coords = keep.logical_not().nonzero().view(-1)
+        flat.index_fill_(0, self._masked_coords, 0.0)
         self._flat_momentum = flat
-        self._keep = keep
         self.comm = CompressedAllreduce(
             total, self.process_group, max_block=self.max_block, scale=self.scale, mask=keep,
             device=device,
@@ -378,7 +378,7 @@ class OneBitAdam(Optimizer):
                 self._flat_momentum.div_(world)
                 self._uncompressed_sent += _ring_bytes(self._flat_momentum.nbytes, world)
                 self._uncompressed_dense += _ring_bytes(self._flat_momentum.nbytes, world)
-            self._flat_momentum.masked_fill_(self._keep.logical_not(), 0.0)
+            self._flat_momentum.index_fill_(0, self._masked_coords, 0.0)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:

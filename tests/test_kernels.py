@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from onebit_plugin import compression as ref
-from onebit_plugin.compression import ChunkLayout
+from onebit_plugin.compression import ChunkLayout, CoordinateMask
 
 kernels = pytest.importorskip("onebit_plugin.kernels")
 
@@ -19,19 +19,18 @@ DTYPES = [torch.float32, torch.bfloat16]
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def _mask(layout: ChunkLayout, gen: torch.Generator) -> torch.Tensor:
+def _mask(layout: ChunkLayout, gen: torch.Generator) -> CoordinateMask:
     user = torch.rand(layout.numel, generator=gen) > 0.2
-    return ref.make_mask(layout, user)
+    return CoordinateMask.build(layout, user)
 
 
 def _inputs(numel, world, max_block, dtype, seed=0, scale="rms"):
     gen = torch.Generator().manual_seed(seed + numel + 31 * world)
     layout = ChunkLayout.create(numel, world, max_block, scale)
     mask = _mask(layout, gen)
-    counts = ref.block_counts(mask, layout)
     x = torch.randn(numel, generator=gen).to(dtype)
-    error = torch.randn(layout.padded_numel, generator=gen) * 0.1 * mask
-    return layout, mask, counts, x, error
+    error = torch.randn(layout.padded_numel, generator=gen) * 0.1 * mask.keep
+    return layout, mask, x, error
 
 
 @pytest.mark.parametrize("numel", SIZES)
@@ -39,41 +38,40 @@ def _inputs(numel, world, max_block, dtype, seed=0, scale="rms"):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("scale", SCALES)
 def test_worker_compress(numel, world, max_block, dtype, scale):
-    layout, mask, counts, x, error = _inputs(numel, world, max_block, dtype, scale=scale)
+    layout, mask, x, error = _inputs(numel, world, max_block, dtype, scale=scale)
     outs = []
     for fn in (ref.worker_compress, kernels.worker_compress):
         err = error.clone()
         packed = torch.empty(layout.padded_numel // 8, dtype=torch.uint8)
         scales = torch.empty(layout.num_blocks)
-        fn(x, err, mask, counts, layout, packed, scales)
+        fn(x, err, mask, layout, packed, scales)
         outs.append((packed, scales, err))
     (p_ref, s_ref, e_ref), (p_k, s_k, e_k) = outs
     assert torch.equal(p_k, p_ref)
     torch.testing.assert_close(s_k, s_ref, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(e_k, e_ref, rtol=RTOL, atol=ATOL)
     # Masked coordinates and the padding carry no error.
-    assert torch.all(e_k[~mask] == 0)
+    assert torch.all(e_k[~mask.keep] == 0)
 
 
 @pytest.mark.parametrize("numel", SIZES)
 @pytest.mark.parametrize("world,max_block", LAYOUTS)
 @pytest.mark.parametrize("scale", SCALES)
 def test_server_compress(numel, world, max_block, scale):
-    layout, mask, counts, _, _ = _inputs(numel, world, max_block, torch.float32, 1, scale)
+    layout, mask, _, _ = _inputs(numel, world, max_block, torch.float32, 1, scale)
     gen = torch.Generator().manual_seed(7)
     chunk, blocks = layout.chunk, layout.blocks_per_chunk
     recv_packed = torch.randint(0, 256, (world, chunk // 8), dtype=torch.uint8, generator=gen)
     recv_scales = torch.rand(world, blocks, generator=gen)
     rank = world - 1  # the last chunk holds the padding
-    own_mask = mask[rank * chunk : (rank + 1) * chunk]
-    own_counts = counts[rank * blocks : (rank + 1) * blocks]
-    error = torch.randn(chunk, generator=gen) * 0.1 * own_mask
+    own_mask = mask.chunk(layout, rank)
+    error = torch.randn(chunk, generator=gen) * 0.1 * own_mask.keep
     outs = []
     for fn in (ref.server_compress, kernels.server_compress):
         err = error.clone()
         packed = torch.empty(chunk // 8, dtype=torch.uint8)
         scales = torch.empty(blocks)
-        fn(recv_packed, recv_scales, err, own_mask, own_counts, layout, packed, scales)
+        fn(recv_packed, recv_scales, err, own_mask, layout, packed, scales)
         outs.append((packed, scales, err))
     (p_ref, s_ref, e_ref), (p_k, s_k, e_k) = outs
     assert torch.equal(p_k, p_ref)
@@ -85,7 +83,7 @@ def test_server_compress(numel, world, max_block, scale):
 @pytest.mark.parametrize("world,max_block", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decompress(numel, world, max_block, dtype):
-    layout, mask, _, _, _ = _inputs(numel, world, max_block, torch.float32, seed=2)
+    layout, mask, _, _ = _inputs(numel, world, max_block, torch.float32, seed=2)
     gen = torch.Generator().manual_seed(3)
     packed = torch.randint(0, 256, (layout.padded_numel // 8,), dtype=torch.uint8, generator=gen)
     scales = torch.rand(layout.num_blocks, generator=gen)
@@ -102,7 +100,7 @@ def test_decompress(numel, world, max_block, dtype):
         ulp = out_ref.float().abs() * 2**-7
         assert torch.all((out_k.float() - out_ref.float()).abs() <= ulp)
         assert torch.all(out_k.float().abs() <= out_ref.float().abs())
-    assert torch.all(out_ref[~mask[:numel]] == 0)
+    assert torch.all(out_ref[~mask.keep[:numel]] == 0)
 
 
 @pytest.mark.parametrize("scale", SCALES)
@@ -110,12 +108,12 @@ def test_reference_bit_convention(scale):
     """Bit i of byte k is element 8k+i, set for >= 0 (zero is sent as +1); scale = RMS or
     mean |c|."""
     layout = ChunkLayout.create(8, 1, 8, scale)
-    mask = ref.make_mask(layout)
+    mask = CoordinateMask.build(layout)
     x = torch.tensor([1.0, -2.0, 0.0, 3.0, -4.0, 5.0, -6.0, 7.0])
     err = torch.zeros(8)
     packed = torch.empty(1, dtype=torch.uint8)
     scales = torch.empty(1)
-    ref.worker_compress(x, err, mask, ref.block_counts(mask, layout), layout, packed, scales)
+    ref.worker_compress(x, err, mask, layout, packed, scales)
     assert packed.item() == 0b10101101
     expected = (140.0 / 8) ** 0.5 if scale == "rms" else 28.0 / 8
     assert scales.item() == pytest.approx(expected)
