@@ -16,7 +16,7 @@ import torch
 from onebit_plugin.compression import ChunkLayout, CoordinateMask, worker_compress
 
 
-def run(signal: torch.Tensor, scale: str, steps: int, seed: int = 0) -> list[tuple[int, float, float]]:
+def run(signal: torch.Tensor, scale: str, steps: int, seed: int = 0) -> list[tuple]:
     n = signal.numel()
     layout = ChunkLayout.create(n, 1, max_block=n, scale=scale)
     mask = CoordinateMask.build(layout)
@@ -52,7 +52,8 @@ def main() -> None:
     print(f"{'signal':24s} {'scale':5s}  running-average error (|error buffer|) at T=10/100/400")
     for name, signal in signals.items():
         for scale in ("mean", "rms"):
-            cells = "  ".join(f"{rel:7.4f} ({norm:6.0f})" for _, rel, norm in run(signal, scale, 400))
+            rows = run(signal, scale, 400)
+            cells = "  ".join(f"{rel:7.4f} ({norm:6.0f})" for _, rel, norm in rows)
             print(f"{name:24s} {scale:5s}  {cells}")
 
 

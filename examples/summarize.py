@@ -4,6 +4,11 @@ import json
 import sys
 
 
+def _ms(run: dict, stage: str) -> str:
+    seconds = run["mean_step_s"].get(stage)
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
 def main(paths: list[str]) -> None:
     runs = [json.load(open(p)) for p in paths]
     rows = [
@@ -13,14 +18,14 @@ def main(paths: list[str]) -> None:
         ("compression-stage reduction", lambda r: (
             f"{1 - r['compression_stage_bytes'] / r['compression_stage_dense_bytes']:.2%}"
             if r["compression_stage_dense_bytes"] else "-")),
-        ("mean step time (ms)", lambda r: ", ".join(
-            f"{k} {v * 1e3:.1f}" for k, v in r["mean_step_s"].items())),
+        ("mean step time, warm-up (ms)", lambda r: _ms(r, "warmup")),
+        ("mean step time, compression (ms)", lambda r: _ms(r, "compression")),
     ]
     names = [r["optimizer"] for r in runs]
     print()
-    print(f"{'':34s}" + "".join(f"{n:>26s}" for n in names))
+    print(f"{'':34s}" + "".join(f"{n:>14s}" for n in names))
     for label, fmt in rows:
-        print(f"{label:34s}" + "".join(f"{fmt(r):>26s}" for r in runs))
+        print(f"{label:34s}" + "".join(f"{fmt(r):>14s}" for r in runs))
     base, other = runs[0], runs[-1]
     print()
     print(f"{other['optimizer']} vs {base['optimizer']}: validation loss "

@@ -299,3 +299,33 @@ def test_copy_of_optimizer_pickles_without_process_group():
     opt.step()
     clone = copy.deepcopy(opt.comm)
     assert clone.group is None and torch.equal(clone.worker_error, opt.comm.worker_error)
+
+
+def _resume_worker(rank, world, tmp):
+    def run(model, opt, steps):
+        for step in steps:
+            opt.zero_grad()
+            _loss(model, _batch(100 * step + rank)).backward()
+            opt.step()
+
+    model = _model()
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=3)
+    run(model, opt, range(6))
+    path = f"{tmp}/rank{rank}.pt"  # every rank saves its own error buffers
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+    run(model, opt, range(6, 12))
+    ckpt = torch.load(path)
+    resumed = _model(seed=5)
+    resumed.load_state_dict(ckpt["model"])
+    opt2 = OneBitAdam(resumed.parameters(), lr=1e-2, freeze_step=3)
+    opt2.load_state_dict(ckpt["opt"])
+    run(resumed, opt2, range(6, 12))
+    return [p.detach() for p in model.parameters()], [p.detach() for p in resumed.parameters()]
+
+
+def test_resume_in_compression_stage_across_ranks(tmp_path):
+    results = run_ranks(_resume_worker, 2, str(tmp_path))
+    assert_ranks_identical([r[1] for r in results], "resumed parameters")
+    for uninterrupted, resumed in results:
+        for a, b in zip(uninterrupted, resumed, strict=True):
+            assert torch.equal(a, b)
