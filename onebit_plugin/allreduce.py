@@ -62,6 +62,9 @@ class CompressedAllreduce:
         mask: optional bool tensor of ``numel`` values; False marks coordinates that are frozen
             at zero (the result is exactly 0 there and they never collect error).
         device: where buffers live (default: CPU).
+        executor: single-worker executor that runs asynchronous calls; several objects that
+            share a process group must share one, so that their collectives keep one order
+            (the DDP hook passes one for all buckets). Default: a private one.
 
     Attributes:
         bytes_sent: bytes this rank passed to the collectives, summed over calls (bits and scales;
@@ -80,6 +83,7 @@ class CompressedAllreduce:
         scale: str = "rms",
         mask: torch.Tensor | None = None,
         device: torch.device | str | None = None,
+        executor: ThreadPoolExecutor | None = None,
     ):
         self.group = group
         self.world_size, self.rank = _group_size_and_rank(group)
@@ -110,7 +114,8 @@ class CompressedAllreduce:
         self.bytes_sent = 0
         self.dense_bytes = 0
         self.calls = 0
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor = executor
+        self._owns_executor = executor is None
         self._lock = threading.Lock()
 
     @property
@@ -157,6 +162,7 @@ class CompressedAllreduce:
             return tensor
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onebit-comm")
+            self._owns_executor = True
         event = None
         if tensor.is_cuda:
             event = torch.cuda.Event()
@@ -236,9 +242,9 @@ class CompressedAllreduce:
 
     def close(self) -> None:
         """Stop the background thread of asynchronous calls (after the pending ones finish)."""
-        if self._executor is not None:
+        if self._executor is not None and self._owns_executor:
             self._executor.shutdown(wait=True)
-            self._executor = None
+        self._executor = None
 
     def state_dict(self) -> dict:
         """This rank's errors and counters (each rank saves its own; the errors differ)."""

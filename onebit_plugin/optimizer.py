@@ -67,6 +67,26 @@ def _adam_update_(
         param.copy_(p)
 
 
+def _fold_gradient_(
+    exp_avg: torch.Tensor,
+    grad: torch.Tensor | None,
+    param: torch.Tensor,
+    *,
+    beta1: float,
+    weight_decay: float,
+    decoupled: bool,
+) -> None:
+    """``m = b1 * m + (1 - b1) * g`` with a *local* gradient (coupled weight decay folded in).
+    A missing gradient counts as zero: every rank must still send its momentum."""
+    if grad is None:
+        exp_avg.mul_(beta1)
+        return
+    grad = grad if grad.dtype == torch.float32 else grad.float()
+    if weight_decay != 0 and not decoupled:
+        grad = grad.add(param, alpha=weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+
+
 def _frozen_update_(
     param: torch.Tensor,
     exp_avg: torch.Tensor,
@@ -197,6 +217,14 @@ class OneBitAdam(Optimizer):
         self._grad_flat: torch.Tensor | None = None
         self._uncompressed_sent = 0
         self._uncompressed_dense = 0
+        # Set by onebit_plugin.ddp_hook.register_onebit_hook: the comm hook folds the gradient
+        # into the momentum and averages it inside backward, and hands the averaged momentum
+        # to step() through p.grad.
+        self.momentum_from_hook = False
+        self._hook_comms: list[CompressedAllreduce] = []
+        self._retired_sent = 0
+        self._retired_dense = 0
+        self.state_version = 0  # bumped by load_state_dict: hooks rebuild their views
 
     # ----------------------------------------------------------------------------- properties
     @property
@@ -209,13 +237,43 @@ class OneBitAdam(Optimizer):
             return 1
         return dist.get_world_size(self.process_group)
 
+    def _all_comms(self) -> list[CompressedAllreduce]:
+        return ([self.comm] if self.comm is not None else []) + self._hook_comms
+
     @property
     def bytes_sent(self) -> int:
-        return self._uncompressed_sent + (self.comm.bytes_sent if self.comm is not None else 0)
+        compressed = sum(c.bytes_sent for c in self._all_comms())
+        return self._uncompressed_sent + self._retired_sent + compressed
 
     @property
     def dense_bytes(self) -> int:
-        return self._uncompressed_dense + (self.comm.dense_bytes if self.comm is not None else 0)
+        compressed = sum(c.dense_bytes for c in self._all_comms())
+        return self._uncompressed_dense + self._retired_dense + compressed
+
+    def count_uncompressed(self, nbytes: int) -> None:
+        """Account an fp32 ring allreduce of ``nbytes`` made for this optimizer (warm-up)."""
+        sent = _ring_bytes(nbytes, self.world_size)
+        self._uncompressed_sent += sent
+        self._uncompressed_dense += sent
+
+    def attach_comm(self, comm: CompressedAllreduce, replaces: CompressedAllreduce | None) -> None:
+        """Count the bytes of a compressed allreduce that runs for this optimizer elsewhere
+        (a DDP comm hook's bucket); ``replaces`` is retired with its counts kept."""
+        if replaces is not None and replaces in self._hook_comms:
+            self._hook_comms.remove(replaces)
+            self._retired_sent += replaces.bytes_sent
+            self._retired_dense += replaces.dense_bytes
+        self._hook_comms.append(comm)
+
+    def momentum_keep_mask(self, p: torch.Tensor) -> torch.Tensor:
+        """Flat bool mask of ``p``'s coordinates that take part in the compression stage:
+        a non-zero frozen variance (with ``mask_zero_variance``) and the user's mask."""
+        keep = torch.ones(p.numel(), dtype=torch.bool, device=p.device)
+        if self.mask_zero_variance:
+            keep &= self.state[p]["exp_avg_sq"].reshape(-1) != 0
+        if p in self._masks:
+            keep &= self._masks[p].reshape(-1)
+        return keep
 
     @property
     def compression_ratio(self) -> float:
@@ -325,24 +383,22 @@ class OneBitAdam(Optimizer):
             if not self.state[p]:
                 self._init_state(p)  # never had a gradient: v == 0, fully masked below
             self.state[p]["frozen_step"] = self.state[p]["step"].clone()
-        self._build_flat_state(params)
+        if not self.momentum_from_hook:
+            self._build_flat_state(params)
         self.switch_step = self.global_step
 
     def _build_flat_state(self, params: list[torch.Tensor]) -> None:
         total = sum(p.numel() for p in params)
         device = params[0].device
         flat = torch.empty(total, dtype=torch.float32, device=device)
-        keep = torch.ones(total, dtype=torch.bool, device=device)
+        keep = torch.empty(total, dtype=torch.bool, device=device)
         offset = 0
         for p in params:
             state = self.state[p]
             n = p.numel()
             flat[offset : offset + n].copy_(state["exp_avg"].reshape(-1))
             state["exp_avg"] = flat[offset : offset + n].view_as(p)
-            if self.mask_zero_variance:
-                keep[offset : offset + n] &= state["exp_avg_sq"].reshape(-1) != 0
-            if p in self._masks:
-                keep[offset : offset + n] &= self._masks[p].reshape(-1)
+            keep[offset : offset + n] = self.momentum_keep_mask(p)
             offset += n
         self._masked_coords = keep.logical_not().nonzero().view(-1)
         flat.index_fill_(0, self._masked_coords, 0.0)
@@ -353,22 +409,25 @@ class OneBitAdam(Optimizer):
         )
 
     def _compression_step(self) -> None:
+        if self.momentum_from_hook:
+            # The hook averaged the momentum during backward; p.grad carries it, possibly
+            # clipped since (by the same global norm on every rank, so still identical).
+            for p in self._trainable():
+                if p.grad is not None:
+                    self.state[p]["exp_avg"].copy_(p.grad)
+        else:
+            self._fold_and_average()
+        self._apply_frozen_updates()
+
+    def _fold_and_average(self) -> None:
         for group in self.param_groups:
-            beta1 = group["betas"][0]
-            wd = group["weight_decay"]
-            coupled_wd = wd != 0 and not group["decoupled_weight_decay"]
             for p in group["params"]:
-                if not p.requires_grad:
-                    continue
-                exp_avg = self.state[p]["exp_avg"]
-                if p.grad is None:
-                    # Absent here, maybe present elsewhere: every rank must send its momentum.
-                    exp_avg.mul_(beta1)
-                    continue
-                grad = p.grad if p.grad.dtype == torch.float32 else p.grad.float()
-                if coupled_wd:
-                    grad = grad.add(p, alpha=wd)
-                exp_avg.lerp_(grad, 1 - beta1)
+                if p.requires_grad:
+                    _fold_gradient_(
+                        self.state[p]["exp_avg"], p.grad, p, beta1=group["betas"][0],
+                        weight_decay=group["weight_decay"],
+                        decoupled=group["decoupled_weight_decay"],
+                    )
         world = self.world_size
         if world > 1 and self.compress_momentum:
             self.comm(self._flat_momentum)
@@ -376,9 +435,10 @@ class OneBitAdam(Optimizer):
             if world > 1:
                 dist.all_reduce(self._flat_momentum, group=self.process_group)
                 self._flat_momentum.div_(world)
-                self._uncompressed_sent += _ring_bytes(self._flat_momentum.nbytes, world)
-                self._uncompressed_dense += _ring_bytes(self._flat_momentum.nbytes, world)
+                self.count_uncompressed(self._flat_momentum.nbytes)
             self._flat_momentum.index_fill_(0, self._masked_coords, 0.0)
+
+    def _apply_frozen_updates(self) -> None:
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -404,6 +464,9 @@ class OneBitAdam(Optimizer):
             "switch_step": self.switch_step,
             "uncompressed_sent": self._uncompressed_sent,
             "uncompressed_dense": self._uncompressed_dense,
+            # Bytes of hook buckets' compressed allreduces (their errors are not saved yet).
+            "hook_sent": self._retired_sent + sum(c.bytes_sent for c in self._hook_comms),
+            "hook_dense": self._retired_dense + sum(c.dense_bytes for c in self._hook_comms),
             "comm": self.comm.state_dict() if self.comm is not None else None,
         }
         return sd
@@ -421,15 +484,19 @@ class OneBitAdam(Optimizer):
         for p, tensors in fp32.items():
             for k, v in tensors.items():
                 self.state[p][k] = v.to(device=p.device if k != "step" else v.device, copy=True)
+        self.state_version += 1
         if onebit is None:
             return
         self.global_step = int(onebit["global_step"])
         self.switch_step = onebit["switch_step"]
         self._uncompressed_sent = int(onebit["uncompressed_sent"])
         self._uncompressed_dense = int(onebit["uncompressed_dense"])
+        self._hook_comms = []
+        self._retired_sent = int(onebit.get("hook_sent", 0))
+        self._retired_dense = int(onebit.get("hook_dense", 0))
         self.comm = None
         self._flat_momentum = None
-        if self.switch_step is not None:
+        if self.switch_step is not None and not self.momentum_from_hook:
             self._build_flat_state(self._trainable())
             if onebit["comm"] is not None:
                 self.comm.load_state_dict(onebit["comm"])

@@ -1,0 +1,181 @@
+"""The DDP comm hook: DDP-equal warm-up, the same numbers as the optimizer-side path, overlap
+with backward, lockstep with accumulation and unused parameters."""
+
+import pickle
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from onebit_plugin import OneBitAdam
+from onebit_plugin.ddp_hook import register_onebit_hook
+from tests.dist_helpers import assert_ranks_identical, run_ranks
+
+
+def _mlp(seed=0, width=32, depth=3):
+    torch.manual_seed(seed)
+    layers = [nn.Linear(16, width), nn.Tanh()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(width, 4))
+
+
+def _batch(rank, step, n=8):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, 16, generator=gen), torch.randint(0, 4, (n,), generator=gen)
+
+
+def _step(model, opt, rank, step):
+    x, y = _batch(rank, step)
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def _warmup_grads_worker(rank, world):
+    grads = []
+    for use_hook in (False, True):
+        model = DDP(_mlp(), bucket_cap_mb=0.001)  # several buckets
+        opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=100, average_grads=False)
+        if use_hook:
+            register_onebit_hook(model, opt)
+        x, y = _batch(rank, 0)
+        nn.functional.cross_entropy(model(x), y).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    return grads
+
+
+def test_warmup_hook_gradients_equal_ddp_default():
+    for default, hooked in run_ranks(_warmup_grads_worker, 3):
+        for a, b in zip(default, hooked, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-8)
+
+
+def _paths_worker(rank, world, model_fn, overlap):
+    """The same training three ways: no DDP (optimizer-side path), and DDP with the hook."""
+    plain = model_fn()
+    opt_plain = OneBitAdam(plain.parameters(), lr=1e-2, freeze_step=3)
+    ddp = DDP(model_fn(), bucket_cap_mb=0.001)
+    opt_ddp = OneBitAdam(ddp.parameters(), lr=1e-2, freeze_step=3)
+    state = register_onebit_hook(ddp, opt_ddp, overlap=overlap)
+    for step in range(10):
+        _step(plain, opt_plain, rank, step)
+        _step(ddp, opt_ddp, rank, step)
+    return ([p.detach() for p in plain.parameters()], [p.detach() for p in ddp.parameters()],
+            state.overlap, opt_ddp.stage, opt_ddp.bytes_sent, opt_plain.bytes_sent)
+
+
+def _single_tensor_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 4, bias=False))
+
+
+def test_overlapping_hook_equals_optimizer_side_path_on_one_bucket():
+    """One parameter, one bucket: the hook's bucket layout is the optimizer's flat layout, so
+    the two paths must agree bit for bit (warm-up on W=2 included: x/2 + y/2 == (x+y)/2)."""
+    results = run_ranks(_paths_worker, 2, _single_tensor_model, True)
+    assert_ranks_identical([r[1] for r in results], "hook-path parameters")
+    plain, hooked, overlap, stage, hook_bytes, plain_bytes = results[0]
+    assert overlap and stage == "compression"
+    for a, b in zip(plain, hooked, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fallback_hook_equals_optimizer_side_path():
+    """overlap=False: the hook averages warm-up gradients, step() compresses the momentum."""
+    results = run_ranks(_paths_worker, 2, _mlp, False)
+    assert_ranks_identical([r[1] for r in results], "hook-path parameters")
+    plain, hooked, overlap, stage, hook_bytes, plain_bytes = results[0]
+    assert not overlap and stage == "compression"
+    for a, b in zip(plain, hooked, strict=True):
+        assert torch.equal(a, b)
+
+
+def _lockstep_worker(rank, world):
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"body": _mlp(width=48), "extra": nn.Linear(16, 4)})
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, x, use_extra):
+            out = self.m["body"](x)
+            return out + self.m["extra"](x) if use_extra else out
+
+    ddp = DDP(Net(), bucket_cap_mb=0.002, find_unused_parameters=True)
+    opt = OneBitAdam(ddp.parameters(), lr=1e-2, freeze_step=4, weight_decay=0.01)
+    state = register_onebit_hook(ddp, opt)
+    stages = []
+    for step in range(12):
+        opt.zero_grad()
+        # Two micro-batches, DDP syncs on the second only; "extra" is unused on rank 1.
+        for micro in range(2):
+            x, y = _batch(rank, 10 * step + micro)
+            ctx = ddp.no_sync() if micro == 0 else torch.enable_grad()
+            with ctx:
+                loss = nn.functional.cross_entropy(ddp(x, use_extra=rank == 0), y) / 2
+                loss.backward()
+        opt.step()
+        stages.append(opt.stage)
+    return ([p.detach() for p in ddp.parameters()], stages, opt.switch_step, state.overlap,
+            len(state.buckets), opt.bytes_sent, opt.dense_bytes)
+
+
+def test_hook_lockstep_with_accumulation_and_unused_parameters():
+    results = run_ranks(_lockstep_worker, 2)
+    assert_ranks_identical([r[0] for r in results], "parameters")
+    _, stages, switch, overlap, buckets, sent, dense = results[0]
+    assert stages == ["warmup"] * 3 + ["compression"] * 9 and switch == 4
+    assert overlap and buckets > 1
+    assert sent < dense
+
+
+def _overlap_worker(rank, world):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    # Eight 512x512 layers in ~1 MB buckets: each bucket's compressed allreduce should finish
+    # while autograd is still computing the gradients of earlier layers.
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(8)])
+    ddp = DDP(model, bucket_cap_mb=1)
+    opt = OneBitAdam(ddp.parameters(), lr=1e-3, freeze_step=2)
+    state = register_onebit_hook(ddp, opt, record_timeline=True)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(5):
+        opt.zero_grad()
+        ddp(torch.randn(256, 512, generator=gen)).square().mean().backward()
+        if step >= 2:
+            end_of_backward = state.timeline[-1][2]
+        opt.step()
+    return state.timeline, end_of_backward
+
+
+def test_compressed_allreduce_runs_inside_backward():
+    timeline, _ = run_ranks(_overlap_worker, 2)[0]
+    last_step = timeline[-len(timeline) // 3:]  # the buckets of the final step
+    assert len(last_step) >= 3
+    first_done = min(done for _, _, done in last_step)
+    last_called = max(called for _, called, _ in last_step)
+    # The first bucket's allreduce completed before backward reached the last bucket.
+    assert first_done < last_called, last_step
+
+
+def _pickle_worker(rank, world):
+    ddp = DDP(_mlp())
+    opt = OneBitAdam(ddp.parameters(), lr=1e-2, freeze_step=1)
+    state = register_onebit_hook(ddp, opt)
+    for step in range(3):
+        _step(ddp, opt, rank, step)
+    clone = pickle.loads(pickle.dumps(state))
+    return clone.process_group is None and clone.comm_group is None and len(clone.buckets) > 0
+
+
+def test_hook_state_pickles_without_process_group():
+    assert all(run_ranks(_pickle_worker, 2))
+
+
+def test_register_rejects_wrong_types():
+    with pytest.raises(ValueError, match="needs a DistributedDataParallel model"):
+        register_onebit_hook(nn.Linear(2, 2), None)
