@@ -11,3 +11,15 @@ from onebit_plugin.optimizer import OneBitAdam
 
 __all__ = ["ChunkLayout", "CompressedAllreduce", "OneBitAdam", "compressed_allreduce"]
 __version__ = "0.1.0"
+
+
+def _register_lightning_strategies() -> None:
+    """``Trainer(strategy="onebit_adam")`` works after ``import onebit_plugin`` wherever
+    pytorch_lightning or lightning.pytorch is installed."""
+    from onebit_plugin.integrations.lightning import _installed, register_all
+
+    if _installed("pytorch_lightning") or _installed("lightning.pytorch"):
+        register_all()
+
+
+_register_lightning_strategies()

@@ -1,0 +1,170 @@
+"""Train the character-level GPT with Lightning and ``strategy="onebit_adam"``.
+
+    python examples/train_lightning.py --devices 2 --steps 300 --freeze-step 60
+    python examples/train_lightning.py --devices 2 --optimizer adam     # DDP + torch Adam
+
+Runs on CPU (gloo) by default and on GPUs unchanged (``--accelerator gpu``). Lightning starts
+the other processes itself. Writes ``summary.json`` (rank 0) and ``rank<R>.pt`` (each rank's
+final parameters) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import onebit_plugin  # noqa: F401 -- registers strategy="onebit_adam"
+from onebit_plugin import OneBitAdam
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from charlm import CharGPT, load_corpus, loss_fn  # noqa: E402
+
+
+class Windows(Dataset):
+    """Fixed random windows of the corpus (deterministic for a seed)."""
+
+    def __init__(self, data: torch.Tensor, context: int, count: int, seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        self.data, self.context = data, context
+        self.starts = torch.randint(0, len(data) - context - 1, (count,), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i):
+        chunk = self.data[self.starts[i] : self.starts[i] + self.context + 1].long()
+        return chunk[:-1], chunk[1:]
+
+
+class CharModule(pl.LightningModule):
+    def __init__(self, args):
+        super().__init__()
+        self.args = args
+        self.model = CharGPT(dim=args.dim, layers=args.layers, context=args.context)
+        self.step_times = {"warmup": [], "compression": []}
+        self._t0 = None
+
+    def training_step(self, batch, batch_idx):
+        loss = loss_fn(self.model, *batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", loss_fn(self.model, *batch), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", loss_fn(self.model, *batch), sync_dist=True)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        opt = self.optimizers().optimizer
+        stage = getattr(opt, "stage", "warmup")
+        self.step_times[stage].append(time.perf_counter() - self._t0)
+
+    def configure_optimizers(self):
+        a = self.args
+        if a.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=a.lr)
+        return OneBitAdam(self.parameters(), lr=a.lr, freeze_step=a.freeze_step)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--optimizer", choices=["onebit", "adam"], default="onebit")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--freeze-step", type=int, default=60)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--batch", type=int, default=16, help="sequences per rank per micro-batch")
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--accelerator", default="cpu")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--num-nodes", type=int, default=1)
+    p.add_argument("--precision", default="32-true")
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--clip", type=float, default=None, help="gradient_clip_val")
+    p.add_argument("--val-every", type=int, default=100)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--ckpt-every", type=int, default=0, help="ModelCheckpoint every N steps")
+    p.add_argument("--resume", help="checkpoint path for fit(ckpt_path=...)")
+    p.add_argument("--test", action="store_true", help="run trainer.test after fit")
+    p.add_argument("--out", default="lightning_out")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    pl.seed_everything(args.seed, workers=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    train, val = load_corpus()
+    samples = args.steps * args.batch * args.accumulate * args.devices * args.num_nodes
+    train_loader = DataLoader(Windows(train, args.context, samples, args.seed), args.batch)
+    val_loader = DataLoader(Windows(val, args.context, 256, 1234), 32)
+    callbacks = []
+    if args.ckpt_every:
+        callbacks.append(pl.callbacks.ModelCheckpoint(
+            dirpath=out / "ckpt", every_n_train_steps=args.ckpt_every, save_top_k=-1,
+            filename="{step}",
+        ))
+    strategy = "onebit_adam" if args.optimizer == "onebit" else "ddp"
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator=args.accelerator, devices=args.devices,
+        num_nodes=args.num_nodes, precision=args.precision, max_steps=args.steps,
+        accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip,
+        val_check_interval=args.val_every, check_val_every_n_epoch=None,
+        log_every_n_steps=args.log_every, callbacks=callbacks,
+        logger=[pl.loggers.CSVLogger(out, name="csv"),
+                pl.loggers.TensorBoardLogger(out, name="tb")],
+        enable_model_summary=False, default_root_dir=out,
+    )
+    module = CharModule(args)
+    trainer.fit(module, train_loader, val_loader, ckpt_path=args.resume)
+    val_loss = trainer.validate(module, val_loader, verbose=False)[0]["val_loss"]
+    test_loss = trainer.test(module, val_loader, verbose=False)[0]["test_loss"] if args.test \
+        else None
+    opt = trainer.optimizers[0]
+    rank = trainer.global_rank
+    torch.save({"params": [p.detach().cpu() for p in module.parameters()],
+                "stage": getattr(opt, "stage", None),
+                "switch_step": getattr(opt, "switch_step", None),
+                "global_step": trainer.global_step},
+               out / f"rank{rank}.pt")
+    n_params = sum(p.numel() for p in module.parameters())
+    world = trainer.world_size
+    # Uncompressed DDP: every step allreduces every gradient in fp32 (ring: 2 (W-1)/W bytes).
+    ddp_bytes = round(2 * (world - 1) / world * 4 * n_params) * trainer.global_step
+    summary = {
+        "optimizer": "OneBitAdam" if args.optimizer == "onebit" else "Adam",
+        "strategy": strategy, "world_size": world, "parameters": n_params,
+        "steps": trainer.global_step, "precision": args.precision,
+        "final_val_loss": val_loss, "test_loss": test_loss,
+        "bytes_sent": getattr(opt, "bytes_sent", ddp_bytes),
+        "dense_bytes": getattr(opt, "dense_bytes", ddp_bytes),
+        "compression_stage_bytes": sum(c.bytes_sent for c in opt._all_comms())
+        if isinstance(opt, OneBitAdam) else 0,
+        "compression_stage_dense_bytes": sum(c.dense_bytes for c in opt._all_comms())
+        if isinstance(opt, OneBitAdam) else 0,
+        "switch_step": getattr(opt, "switch_step", None),
+        "mean_step_s": {k: sum(v) / len(v) for k, v in module.step_times.items() if v},
+        "overlap": getattr(trainer.strategy, "hook_state", None) is not None
+        and trainer.strategy.hook_state.overlap,
+    }
+    if rank == 0:
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        print(json.dumps({k: v for k, v in summary.items() if k != "mean_step_s"}))
+
+
+if __name__ == "__main__":
+    main()

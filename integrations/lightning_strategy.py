@@ -1,0 +1,120 @@
+"""Lightning strategy ``"onebit_adam"``: DDP whose gradient sync is OneBitAdam's comm hook."""
+
+from __future__ import annotations
+
+import logging
+
+from onebit_plugin.ddp_hook import register_onebit_hook
+from onebit_plugin.optimizer import OneBitAdam
+
+log = logging.getLogger("onebit_plugin")
+
+# Precisions whose gradients can be folded into the momentum as they come out of backward.
+# "16-mixed" scales the loss with a GradScaler: the scaled local gradients would enter the
+# compressed momentum before the scaler could unscale them or skip an overflowed step.
+SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+
+
+def make_strategy_class(pl, callback_cls):
+    """Build the strategy for one Lightning namespace (``pytorch_lightning`` or
+    ``lightning.pytorch``): each has its own ``DDPStrategy``."""
+    from typing_extensions import override
+
+    DDPStrategy = pl.strategies.DDPStrategy
+    TrainerFn = pl.trainer.states.TrainerFn
+
+    class OneBitAdamStrategy(DDPStrategy):
+        """DDP with OneBitAdam's comm hook: warm-up gradients are averaged like DDP's, then the
+        momentum is exchanged as 1-bit signs inside backward.
+
+        ``configure_optimizers`` must return one ``onebit_plugin.OneBitAdam`` (an LR scheduler
+        beside it is fine). Works on CPU (gloo) and GPU (NCCL); unlike ``DDPStrategy``'s own
+        ``ddp_comm_hook`` the hook is registered on CPU too.
+
+        Args:
+            overlap: run the compressed allreduce inside backward (default). False keeps DDP's
+                warm-up averaging but compresses in ``optimizer.step()`` (one flat buffer).
+            add_callback: add ``OneBitAdamCallback`` unless the trainer already has one.
+            record_timeline: keep per-bucket timings in ``hook_state.timeline``.
+            **kwargs: everything ``DDPStrategy`` takes (``find_unused_parameters``,
+                ``bucket_cap_mb``, ``timeout``, ``start_method``, ...). ``ddp_comm_hook``,
+                ``ddp_comm_state`` and ``ddp_comm_wrapper`` are taken by the 1-bit hook.
+
+        Gradient clipping (``gradient_clip_val``): in warm-up it clips the averaged gradient, as
+        with DDP. In the compression stage the gradient is local to each rank and is folded
+        into the momentum during backward, so clipping applies to the averaged momentum that
+        ``step()`` is about to apply (the same global norm on every rank, so ranks stay
+        identical).
+        """
+
+        strategy_name = "onebit_adam"
+
+        def __init__(self, overlap: bool = True, add_callback: bool = True,
+                     record_timeline: bool = False, **kwargs):
+            for taken in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"):
+                if kwargs.get(taken) is not None:
+                    raise ValueError(
+                        f"OneBitAdamStrategy registers its own DDP comm hook; {taken} cannot be "
+                        "set"
+                    )
+            super().__init__(**kwargs)
+            self.overlap = overlap
+            self.add_callback = add_callback
+            self.record_timeline = record_timeline
+            self.hook_state = None
+
+        @override
+        def setup_environment(self) -> None:
+            super().setup_environment()
+            trainer = self.lightning_module.trainer if self.lightning_module else None
+            if (
+                self.add_callback
+                and trainer is not None
+                and not any(isinstance(c, callback_cls) for c in trainer.callbacks)
+            ):
+                trainer.callbacks.append(callback_cls())
+
+        @override
+        def setup(self, trainer) -> None:
+            precision = str(self.precision_plugin.precision)
+            if trainer.state.fn == TrainerFn.FITTING and precision not in SUPPORTED_PRECISIONS:
+                raise ValueError(
+                    f"strategy='onebit_adam' supports precision {', '.join(SUPPORTED_PRECISIONS)}; "
+                    f"got {precision!r}. '16-mixed' needs a GradScaler, whose loss scale would "
+                    "enter the compressed momentum before overflowed steps can be skipped: use "
+                    "'bf16-mixed'."
+                )
+            super().setup(trainer)
+            if trainer.state.fn != TrainerFn.FITTING:
+                return
+            optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+            if len(optimizers) != 1 or not isinstance(optimizers[0], OneBitAdam):
+                got = ", ".join(type(o).__name__ for o in optimizers) or "nothing"
+                raise ValueError(
+                    "strategy='onebit_adam' needs configure_optimizers() to return one "
+                    "onebit_plugin.OneBitAdam (optionally with an LR scheduler), e.g. "
+                    "`return OneBitAdam(self.parameters(), lr=1e-3, freeze_step=1000)`; "
+                    f"got {got}"
+                )
+            self.hook_state = register_onebit_hook(
+                self.model, optimizers[0], overlap=self.overlap,
+                record_timeline=self.record_timeline,
+            )
+            if not self.hook_state.overlap:
+                log.info("onebit: compressed allreduce runs in optimizer.step() (no overlap)")
+
+        @classmethod
+        @override
+        def register_strategies(cls, strategy_registry) -> None:
+            for name, start_method in (
+                ("onebit_adam", "popen"),
+                ("onebit_adam_spawn", "spawn"),
+                ("onebit_adam_fork", "fork"),
+            ):
+                strategy_registry.register(
+                    name, cls,
+                    description=f"1-bit Adam over DDP with start_method '{start_method}'",
+                    override=True, start_method=start_method,
+                )
+
+    return OneBitAdamStrategy

@@ -1,0 +1,82 @@
+"""Lightning callback that reports OneBitAdam's stage switch and what the compression saves."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from onebit_plugin.optimizer import COMPRESSION, OneBitAdam
+
+
+def make_callback_class(pl):
+    """Build the callback for one Lightning namespace (``pytorch_lightning`` or
+    ``lightning.pytorch``): their ``Callback`` base classes are distinct."""
+    # The namespace's own rank_zero_info logs to its logger, which Lightning shows at INFO.
+    rank_zero_info = pl.utilities.rank_zero_info
+
+    class OneBitAdamCallback(pl.Callback):
+        """Logs OneBitAdam's stage switch once, and per logging step the stage and bytes.
+
+        * the switch: one rank-zero info line, and the metric ``onebit/switch_step`` (the last
+          warm-up step) through every logger of the trainer, exactly once per run (resumes
+          included: the callback's state is checkpointed);
+        * every ``log_every_n_steps`` steps, through ``trainer.loggers``: ``onebit/stage``
+          (0 warm-up, 1 compression), ``onebit/bytes_sent`` (this rank, cumulative),
+          ``onebit/dense_bytes`` (what an fp32 allreduce would have sent) and
+          ``onebit/compression_ratio`` (their ratio);
+        * the progress bar shows ``onebit_stage`` (0 warm-up, 1 compression).
+
+        Args:
+            progress_bar: show ``onebit_stage`` in the progress bar.
+        """
+
+        def __init__(self, progress_bar: bool = True):
+            self.progress_bar = progress_bar
+            self.switch_logged = False
+            self.switch_step: int | None = None
+
+        @staticmethod
+        def _optimizer(trainer) -> OneBitAdam | None:
+            for opt in trainer.optimizers:
+                opt = getattr(opt, "_optimizer", opt)  # a LightningOptimizer wraps it
+                if isinstance(opt, OneBitAdam):
+                    return opt
+            return None
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            opt = self._optimizer(trainer)
+            if opt is None:
+                return
+            step = trainer.global_step
+            compressing = opt.stage == COMPRESSION
+            if compressing and not self.switch_logged:
+                self.switch_logged = True
+                self.switch_step = opt.switch_step
+                rank_zero_info(
+                    f"onebit: Adam variance frozen after step {opt.switch_step}; momentum is "
+                    f"exchanged as 1-bit signs from step {opt.switch_step + 1} on"
+                )
+                for logger in trainer.loggers:
+                    logger.log_metrics({"onebit/switch_step": float(opt.switch_step)}, step=step)
+            if self.progress_bar:
+                pl_module.log("onebit_stage", float(compressing), prog_bar=True, logger=False,
+                              on_step=True, on_epoch=False)
+            every = max(1, trainer.log_every_n_steps)
+            if step % every == 0:
+                metrics = {
+                    "onebit/stage": float(compressing),
+                    "onebit/bytes_sent": float(opt.bytes_sent),
+                    "onebit/dense_bytes": float(opt.dense_bytes),
+                }
+                if opt.bytes_sent:
+                    metrics["onebit/compression_ratio"] = opt.dense_bytes / opt.bytes_sent
+                for logger in trainer.loggers:
+                    logger.log_metrics(metrics, step=step)
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"switch_logged": self.switch_logged, "switch_step": self.switch_step}
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            self.switch_logged = bool(state_dict["switch_logged"])
+            self.switch_step = state_dict["switch_step"]
+
+    return OneBitAdamCallback
