@@ -1,0 +1,140 @@
+"""Trainer(strategy="onebit_adam") end to end: 2 CPU processes launched by Lightning itself
+(examples/train_lightning.py), precisions, accumulation, clipping, logging, checkpoint resume."""
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist_helpers import assert_ranks_identical, run_ranks
+
+pytest.importorskip("pytorch_lightning")
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "train_lightning.py"
+FREEZE = 10
+
+
+def _fit(out: Path, *args: str) -> str:
+    cmd = [sys.executable, str(SCRIPT), "--devices", "2", "--freeze-step", str(FREEZE),
+           "--val-every", "10", "--log-every", "5", "--out", str(out), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout + proc.stderr
+
+
+def _ranks(out: Path) -> list[dict]:
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+def _csv_column(out: Path, name: str) -> list[tuple[int, float]]:
+    rows = []
+    for path in sorted((out / "csv").glob("version_*/metrics.csv")):
+        with open(path) as f:
+            for row in csv.DictReader(f):
+                if row.get(name):
+                    rows.append((int(row["step"]), float(row[name])))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def fp32_run(tmp_path_factory):
+    """32-true with gradient accumulation, clipping, checkpoints every 10 steps and a test loop."""
+    out = tmp_path_factory.mktemp("fp32")
+    log = _fit(out, "--steps", "30", "--precision", "32-true", "--accumulate", "2",
+               "--clip", "1.0", "--ckpt-every", "10", "--test")
+    return out, log
+
+
+def test_fp32_accumulation_clipping_lockstep(fp32_run):
+    out, _ = fp32_run
+    ranks = _ranks(out)
+    assert_ranks_identical([r["params"] for r in ranks], "parameters")
+    assert ranks[0]["stage"] == "compression" and ranks[0]["switch_step"] == FREEZE
+    assert ranks[0]["global_step"] == 30
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["overlap"] is True
+    assert summary["test_loss"] is not None
+    assert summary["compression_stage_bytes"] <= 0.033 * summary["compression_stage_dense_bytes"]
+
+
+def test_stage_switch_logged_once_at_the_right_step(fp32_run):
+    out, log = fp32_run
+    assert log.count(f"variance frozen after step {FREEZE};") == 1
+    assert _csv_column(out, "onebit/switch_step") == [(FREEZE, float(FREEZE))]
+    stages = dict(_csv_column(out, "onebit/stage"))
+    assert stages[5] == 0.0 and stages[FREEZE + 5] == 1.0
+    ratios = _csv_column(out, "onebit/compression_ratio")
+    assert ratios[-1][1] > ratios[0][1] > 0.99  # grows once compression starts
+    assert list((out / "tb").glob("version_*/events.out.tfevents.*"))
+
+
+def test_resume_from_compression_stage_checkpoint(fp32_run, tmp_path):
+    out, _ = fp32_run
+    ckpt = out / "ckpt" / "step=20.ckpt"
+    assert ckpt.exists(), sorted(p.name for p in (out / "ckpt").iterdir())
+    log = _fit(tmp_path, "--steps", "30", "--precision", "32-true", "--accumulate", "2",
+               "--clip", "1.0", "--resume", str(ckpt))
+    ranks = _ranks(tmp_path)
+    assert_ranks_identical([r["params"] for r in ranks], "resumed parameters")
+    assert ranks[0]["global_step"] == 30 and ranks[0]["switch_step"] == FREEZE
+    # The callback's state came back with the checkpoint: no second switch message.
+    assert "variance frozen after step" not in log
+
+
+def test_bf16_mixed_accumulation_clipping_lockstep(tmp_path):
+    _fit(tmp_path, "--steps", "20", "--precision", "bf16-mixed", "--accumulate", "2",
+         "--clip", "0.5")
+    ranks = _ranks(tmp_path)
+    assert_ranks_identical([r["params"] for r in ranks], "parameters")
+    assert ranks[0]["stage"] == "compression"
+
+
+def _misconfigured(rank, world, optimizer, precision):
+    import pytorch_lightning as pl
+    from torch import nn
+
+    import onebit_plugin  # noqa: F401 -- registers the strategy
+
+    class M(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self):
+            if optimizer == "adam":
+                return torch.optim.Adam(self.parameters())
+            return onebit_plugin.OneBitAdam(self.parameters(), freeze_step=2)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), 4)
+    # On CPU Lightning turns precision="16-mixed" into bf16-mixed; fp16 AMP with a GradScaler,
+    # what "16-mixed" means on GPUs, has to be passed as a plugin here.
+    plugins = []
+    if precision == "16-mixed":
+        plugins = [pl.plugins.precision.MixedPrecision(
+            "16-mixed", device="cpu", scaler=torch.amp.GradScaler("cpu"))]
+        precision = None
+    trainer = pl.Trainer(strategy="onebit_adam", accelerator="cpu", devices=1, max_steps=2,
+                         precision=precision, plugins=plugins, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False)
+    try:
+        trainer.fit(M(), data)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("optimizer,precision,message", [
+    ("adam", "32-true", "needs configure_optimizers() to return one onebit_plugin.OneBitAdam"),
+    ("onebit", "16-mixed", "supports precision 32-true, bf16-mixed, bf16-true; got '16-mixed'"),
+])
+def test_misconfiguration_is_a_clear_error(optimizer, precision, message):
+    (error,) = run_ranks(_misconfigured, 1, optimizer, precision)
+    assert message in error, error
