@@ -7,7 +7,7 @@ bytes of an fp32 ring allreduce (design notes, section 1):
    block scales) to rank ``j`` (``all_to_all_single``);
 2. rank ``j`` averages the W copies of chunk ``j`` it received, adds its server error and
    compresses again (``server_compress``);
-3. every rank's compressed chunk goes to every rank (``all_gather_into_tensor``), and each rank
+3. every rank's compressed chunk goes to every rank (an all-gather), and each rank
    decodes the same bytes into the same values, so the result is bit-identical on every rank.
 
 Both error buffers persist between calls: what one call rounds away is sent by the next ones, so
@@ -34,6 +34,8 @@ from onebit_plugin.compression import (
 __all__ = ["CompressedAllreduce", "compressed_allreduce"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Newer torch (2.13 here) deprecates all_gather_into_tensor for all_gather_single, same call.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _group_size_and_rank(group) -> tuple[int, int]:
@@ -221,12 +223,8 @@ class CompressedAllreduce:
         )
         if world > 1:
             works = [
-                dist.all_gather_into_tensor(
-                    self._all_packed, self._own_packed, group=self.group, async_op=True
-                ),
-                dist.all_gather_into_tensor(
-                    self._all_scales, self._own_scales, group=self.group, async_op=True
-                ),
+                _all_gather(self._all_packed, self._own_packed, group=self.group, async_op=True),
+                _all_gather(self._all_scales, self._own_scales, group=self.group, async_op=True),
             ]
             for work in works:
                 work.wait()

@@ -1,0 +1,102 @@
+"""Train the character-level GPT with an ordinary Accelerate loop; 1-bit Adam is a launch flag.
+
+    accelerate launch --cpu --num_processes 2 examples/train_accelerate.py           # Adam
+    ONEBIT_ADAM=1 ONEBIT_FREEZE_STEP=60 \\
+        accelerate launch --cpu --num_processes 2 examples/train_accelerate.py       # 1-bit
+
+The only change from a plain Accelerate script is where ``Accelerator`` comes from
+(``--plain-accelerate`` uses ``accelerate.Accelerator`` itself, for comparison). Uses
+``accelerator.accumulate``, ``clip_grad_norm_``, an LR scheduler and, with ``--save-at``,
+``save_state``/``load_state``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from charlm import CharGPT, evaluate, load_corpus, loss_fn, sample_batch  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--clip", type=float, default=0.0)
+    p.add_argument("--mixed-precision", default="no")
+    p.add_argument("--save-at", type=int, default=0, help="save_state after this step, then "
+                   "load_state into a fresh model and optimizer and continue from it")
+    p.add_argument("--plain-accelerate", action="store_true")
+    p.add_argument("--out", default="accelerate_out")
+    return p.parse_args(argv)
+
+
+def build(args, accelerator_cls):
+    accelerator = accelerator_cls(gradient_accumulation_steps=args.accumulate,
+                                  mixed_precision=args.mixed_precision)
+    torch.manual_seed(0)
+    model = CharGPT(context=args.context)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    return accelerator, model, optimizer, scheduler
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.plain_accelerate:
+        from accelerate import Accelerator
+    else:
+        from onebit_plugin.integrations.accelerate_flag import Accelerator
+    accelerator, model, optimizer, scheduler = build(args, Accelerator)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    train, val = load_corpus()
+    gen = torch.Generator().manual_seed(accelerator.process_index)
+    step = 0
+    while step < args.steps:
+        for _ in range(args.accumulate):
+            x, y = (t.to(accelerator.device) for t in
+                    sample_batch(train, args.batch, args.context, gen))
+            with accelerator.accumulate(model):
+                with accelerator.autocast():
+                    loss = loss_fn(model, x, y)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and args.clip:
+                    accelerator.clip_grad_norm_(model.parameters(), args.clip)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+        step += 1
+        if step == args.save_at:
+            accelerator.save_state(out / "state")
+            accelerator.wait_for_everyone()
+            # A fresh model and optimizer resumed from the saved state continue the run.
+            accelerator, model, optimizer, scheduler = build(args, Accelerator)
+            accelerator.load_state(out / "state")
+    inner = optimizer.optimizer
+    val_loss = evaluate(accelerator.unwrap_model(model), val.to(accelerator.device), args.context)
+    params = [p.detach().cpu() for p in accelerator.unwrap_model(model).parameters()]
+    torch.save({"params": params, "optimizer": type(inner).__name__,
+                "stage": getattr(inner, "stage", None)},
+               out / f"rank{accelerator.process_index}.pt")
+    if accelerator.is_main_process:
+        summary = {"optimizer": type(inner).__name__, "val_loss": val_loss, "steps": step,
+                   "bytes_sent": getattr(inner, "bytes_sent", None),
+                   "dense_bytes": getattr(inner, "dense_bytes", None),
+                   "switch_step": getattr(inner, "switch_step", None)}
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        print(json.dumps(summary))
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

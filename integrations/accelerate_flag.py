@@ -1,0 +1,183 @@
+"""The Accelerate flag: ``ONEBIT_ADAM=1 accelerate launch train.py`` turns 1-bit Adam on.
+
+A script opts in once, by importing its ``Accelerator`` from here instead of ``accelerate``::
+
+    from onebit_plugin.integrations.accelerate_flag import Accelerator
+
+With the flag off this class *is* ``accelerate.Accelerator`` in behaviour (``prepare`` hands
+everything to it untouched). With ``ONEBIT_ADAM=1`` in the environment -- ``accelerate launch``
+passes the environment to every process -- ``prepare()``:
+
+* replaces each ``torch.optim.Adam``/``AdamW`` it is given by a ``OneBitAdam`` over the *same*
+  param-group dicts (so LR schedulers built on the original keep working, and are re-pointed at
+  the new optimizer), with the same lr, betas, eps, weight decay and AdamW semantics;
+* registers OneBitAdam's DDP comm hook on the model it wraps in DDP.
+
+Settings, all read from the environment when ``prepare()`` runs:
+
+* ``ONEBIT_ADAM``: ``1``/``true``/``yes`` turns it on (``0``, unset: off);
+* ``ONEBIT_FREEZE_STEP``: warm-up optimizer steps, required when on;
+* ``ONEBIT_MAX_BLOCK`` (default 2048), ``ONEBIT_SCALE`` (``rms``/``mean``),
+  ``ONEBIT_OVERLAP`` (default 1; 0 compresses in ``optimizer.step()`` instead of inside
+  backward).
+
+Accelerate's YAML config rejects unknown keys and its ``kwargs_handlers`` reject unknown handler
+classes, which is why this is an environment flag read at ``prepare()``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from dataclasses import dataclass
+
+import accelerate
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from onebit_plugin.ddp_hook import OneBitHookState, register_onebit_hook
+from onebit_plugin.optimizer import OneBitAdam
+
+__all__ = ["Accelerator", "OneBitSettings", "to_onebit_adam"]
+
+log = logging.getLogger("onebit_plugin")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+def _flag(name: str, default: str) -> bool:
+    value = os.environ.get(name, default).strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name} must be 1 or 0 (true/false), got {value!r}")
+
+
+def _int(name: str, default: int | None) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        if default is None:
+            raise ValueError(
+                f"ONEBIT_ADAM=1 needs {name}: the number of uncompressed Adam warm-up steps "
+                "(an int >= 1, typically 15-25% of the optimizer steps)"
+            )
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+
+
+@dataclass(frozen=True)
+class OneBitSettings:
+    freeze_step: int
+    max_block: int = 2048
+    scale: str = "rms"
+    overlap: bool = True
+
+    @classmethod
+    def from_env(cls) -> OneBitSettings | None:
+        """The settings when ``ONEBIT_ADAM`` is on, else None."""
+        if not _flag("ONEBIT_ADAM", "0"):
+            return None
+        return cls(
+            freeze_step=_int("ONEBIT_FREEZE_STEP", None),
+            max_block=_int("ONEBIT_MAX_BLOCK", 2048),
+            scale=os.environ.get("ONEBIT_SCALE", "rms"),
+            overlap=_flag("ONEBIT_OVERLAP", "1"),
+        )
+
+
+def to_onebit_adam(optimizer: torch.optim.Optimizer, settings: OneBitSettings) -> OneBitAdam:
+    """A OneBitAdam over ``optimizer``'s own param-group dicts (Adam or AdamW only)."""
+    if isinstance(optimizer, OneBitAdam):
+        return optimizer
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        raise ValueError(
+            "ONEBIT_ADAM=1 replaces torch.optim.Adam or AdamW by OneBitAdam; this script passes "
+            f"{type(optimizer).__name__} to prepare()"
+        )
+    for group in optimizer.param_groups:
+        for option in ("amsgrad", "maximize"):
+            if group.get(option):
+                raise ValueError(f"ONEBIT_ADAM=1 does not support Adam's {option}=True")
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or any(
+        g.get("decoupled_weight_decay") for g in optimizer.param_groups
+    )
+    first = optimizer.param_groups[0]
+    # The same dicts: an LR scheduler that edits them drives the new optimizer.
+    return OneBitAdam(
+        optimizer.param_groups, lr=first["lr"], betas=first["betas"], eps=first["eps"],
+        weight_decay=first["weight_decay"], freeze_step=settings.freeze_step,
+        decoupled_weight_decay=decoupled, max_block=settings.max_block, scale=settings.scale,
+    )
+
+
+def _mark_step_tracked(optimizer: torch.optim.Optimizer) -> None:
+    """What an LR scheduler does to the optimizer it is built on: flag each ``step()`` call, so
+    the re-pointed scheduler can check that ``optimizer.step()`` ran before its own step."""
+    step = optimizer.step
+    if getattr(step, "_wrapped_by_lr_sched", False):
+        return
+
+    @functools.wraps(step)
+    def tracked(*args, **kwargs):
+        optimizer._opt_called = True
+        return step(*args, **kwargs)
+
+    tracked._wrapped_by_lr_sched = True
+    optimizer.step = tracked
+
+
+class Accelerator(accelerate.Accelerator):
+    """``accelerate.Accelerator`` that applies 1-bit Adam in ``prepare()`` when ``ONEBIT_ADAM``
+    is on (see the module docstring). ``onebit`` holds the settings (None when off) and
+    ``onebit_hook_state`` the DDP hook's state once registered."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.onebit = OneBitSettings.from_env()
+        self.onebit_hook_state: OneBitHookState | None = None
+        if self.onebit is not None and self.mixed_precision == "fp16":
+            raise ValueError(
+                "ONEBIT_ADAM=1 supports mixed_precision 'no' and 'bf16'; 'fp16' scales the loss "
+                "with a GradScaler, whose scale would enter the compressed momentum before "
+                "overflowed steps can be skipped"
+            )
+
+    def prepare(self, *args, device_placement=None):
+        if self.onebit is None:
+            return super().prepare(*args, device_placement=device_placement)
+        replaced: dict[int, OneBitAdam] = {}
+        converted = []
+        for obj in args:
+            if isinstance(obj, torch.optim.Optimizer):
+                new = to_onebit_adam(obj, self.onebit)
+                replaced[id(obj)] = new
+                obj = new
+            converted.append(obj)
+        for obj in converted:
+            target = getattr(obj, "optimizer", None)
+            if isinstance(obj, torch.optim.lr_scheduler.LRScheduler) and id(target) in replaced:
+                obj.optimizer = replaced[id(target)]
+                _mark_step_tracked(obj.optimizer)
+        result = super().prepare(*converted, device_placement=device_placement)
+        outputs = result if isinstance(result, tuple) else (result,)
+        models = [o for o in outputs if isinstance(o, DistributedDataParallel)]
+        optimizers = [getattr(o, "optimizer", o) for o in outputs]
+        onebit = [o for o in optimizers if isinstance(o, OneBitAdam)]
+        if models and onebit:
+            if len(models) != 1 or len(onebit) != 1:
+                raise ValueError(
+                    "ONEBIT_ADAM=1 handles one DDP model with one optimizer per prepare() call; "
+                    f"got {len(models)} models and {len(onebit)} optimizers"
+                )
+            self.onebit_hook_state = register_onebit_hook(
+                models[0], onebit[0], overlap=self.onebit.overlap
+            )
+            log.info("onebit: 1-bit Adam on, freeze_step=%d, overlap=%s",
+                     self.onebit.freeze_step, self.onebit_hook_state.overlap)
+        return result

@@ -1,0 +1,89 @@
+"""The Accelerate flag end to end: `accelerate launch` with 2 CPU processes, flag on and off.
+
+accelerate 1.15's `accelerate launch --cpu --num_processes 2` starts a single process unless
+mpirun is set up; `ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2` starts
+two gloo processes through torchrun on a machine without GPUs, so the tests use that.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist_helpers import assert_ranks_identical
+
+pytest.importorskip("accelerate")
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "train_accelerate.py"
+ACCELERATE = Path(sys.executable).with_name("accelerate")
+
+
+def _launch(out: Path, env: dict, *args: str, check: bool = True):
+    cmd = [str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+           "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT),
+           "--steps", "30", "--accumulate", "2", "--clip", "1.0", "--out", str(out), *args]
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("ONEBIT_")}
+    full_env.update(ACCELERATE_USE_CPU="true", **env)
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
+                          timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def _ranks(out: Path) -> list[dict]:
+    return [torch.load(out / f"rank{r}.pt") for r in range(2)]
+
+
+def test_flag_on_trains_with_onebit_adam_and_resumes(tmp_path):
+    _launch(tmp_path, {"ONEBIT_ADAM": "1", "ONEBIT_FREEZE_STEP": "10"}, "--save-at", "20")
+    ranks = _ranks(tmp_path)
+    assert_ranks_identical([r["params"] for r in ranks], "parameters")
+    assert ranks[0]["optimizer"] == "OneBitAdam" and ranks[0]["stage"] == "compression"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["switch_step"] == 10 and summary["steps"] == 30
+    assert summary["bytes_sent"] < summary["dense_bytes"] / 2
+    assert (tmp_path / "state" / "optimizer.bin").exists()
+
+
+def test_flag_off_is_plain_accelerate(tmp_path):
+    ours, plain = tmp_path / "ours", tmp_path / "plain"
+    _launch(ours, {"ONEBIT_ADAM": "0"})
+    _launch(plain, {}, "--plain-accelerate")
+    a, b = _ranks(ours), _ranks(plain)
+    assert a[0]["optimizer"] == b[0]["optimizer"] == "AdamW"
+    for x, y in zip(a[0]["params"], b[0]["params"], strict=True):
+        assert torch.equal(x, y)
+
+
+def test_flag_without_freeze_step_is_a_clear_error(tmp_path):
+    proc = _launch(tmp_path, {"ONEBIT_ADAM": "1"}, check=False)
+    assert proc.returncode != 0
+    assert "ONEBIT_ADAM=1 needs ONEBIT_FREEZE_STEP" in proc.stderr
+
+
+def test_conversion_keeps_hyperparameters_and_scheduler():
+    from onebit_plugin import OneBitAdam
+    from onebit_plugin.integrations.accelerate_flag import OneBitSettings, to_onebit_adam
+
+    model = torch.nn.Linear(4, 2)
+    adamw = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.9), weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(adamw, step_size=1, gamma=0.5)
+    onebit = to_onebit_adam(adamw, OneBitSettings(freeze_step=5))
+    assert isinstance(onebit, OneBitAdam) and onebit.freeze_step == 5
+    group = onebit.param_groups[0]
+    assert group is adamw.param_groups[0]  # the scheduler's edits reach the new optimizer
+    assert (group["lr"], group["betas"], group["weight_decay"]) == (0.01, (0.8, 0.9), 0.1)
+    assert group["decoupled_weight_decay"] is True
+    scheduler.step()
+    assert onebit.param_groups[0]["lr"] == pytest.approx(0.005)
+    with pytest.raises(ValueError, match="replaces torch.optim.Adam or AdamW by OneBitAdam; "
+                                         "this script passes SGD"):
+        to_onebit_adam(torch.optim.SGD(model.parameters(), lr=0.1), OneBitSettings(5))
+    with pytest.raises(ValueError, match="does not support Adam's amsgrad=True"):
+        to_onebit_adam(torch.optim.Adam(model.parameters(), amsgrad=True), OneBitSettings(5))
