@@ -20,13 +20,11 @@ $(STAMP): setup.cfg pyproject.toml
 
 install: $(STAMP)
 
+# The main job: Trainer(strategy="onebit_adam") on NPROC CPU processes next to DDP + Adam.
 demo: $(STAMP)
-	mkdir -p $(DEMO_DIR)
-	$(VENV)/bin/torchrun --nproc_per_node $(NPROC) examples/train_torchrun.py \
-		--json $(DEMO_DIR)/onebit.json
-	$(VENV)/bin/torchrun --nproc_per_node $(NPROC) examples/train_torchrun.py --baseline \
-		--json $(DEMO_DIR)/adam.json
-	$(PY) examples/summarize.py $(DEMO_DIR)/adam.json $(DEMO_DIR)/onebit.json
+	$(PY) examples/train_lightning.py --devices $(NPROC) --out $(DEMO_DIR)/onebit
+	$(PY) examples/train_lightning.py --devices $(NPROC) --optimizer adam --out $(DEMO_DIR)/adam
+	$(PY) examples/summarize.py $(DEMO_DIR)/adam/summary.json $(DEMO_DIR)/onebit/summary.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -27,6 +27,10 @@ def main(paths: list[str]) -> None:
     for label, fmt in rows:
         print(f"{label:34s}" + "".join(f"{fmt(r):>14s}" for r in runs))
     base, other = runs[0], runs[-1]
+    for r in runs:
+        if r.get("strategy") == "ddp":
+            print(f"({r['optimizer']}: bytes computed for DDP's fp32 ring allreduce of "
+                  f"{r['parameters']:,} gradients per step; DDP does not count them)")
     print()
     print(f"{other['optimizer']} vs {base['optimizer']}: validation loss "
           f"{other['final_val_loss'] / base['final_val_loss'] - 1:+.2%}, bytes sent "

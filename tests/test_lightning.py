@@ -94,9 +94,12 @@ def test_bf16_mixed_accumulation_clipping_lockstep(tmp_path):
     assert ranks[0]["stage"] == "compression"
 
 
-def _misconfigured(rank, world, optimizer, precision):
-    import pytorch_lightning as pl
+def _tiny_fit(rank, world, optimizer, precision, namespace="pytorch_lightning"):
+    import importlib
+
     from torch import nn
+
+    pl = importlib.import_module(namespace)
 
     import onebit_plugin  # noqa: F401 -- registers the strategy
 
@@ -128,7 +131,7 @@ def _misconfigured(rank, world, optimizer, precision):
         trainer.fit(M(), data)
     except ValueError as exc:
         return str(exc)
-    return "no error"
+    return type(trainer.strategy).__mro__[1].__module__, trainer.optimizers[0].stage
 
 
 @pytest.mark.parametrize("optimizer,precision,message", [
@@ -136,5 +139,13 @@ def _misconfigured(rank, world, optimizer, precision):
     ("onebit", "16-mixed", "supports precision 32-true, bf16-mixed, bf16-true; got '16-mixed'"),
 ])
 def test_misconfiguration_is_a_clear_error(optimizer, precision, message):
-    (error,) = run_ranks(_misconfigured, 1, optimizer, precision)
+    (error,) = run_ranks(_tiny_fit, 1, optimizer, precision)
     assert message in error, error
+
+
+@pytest.mark.parametrize("namespace", ["pytorch_lightning", "lightning.pytorch"])
+def test_strategy_registered_in_each_lightning_namespace(namespace):
+    pytest.importorskip(namespace)
+    (result,) = run_ranks(_tiny_fit, 1, "onebit", "32-true", namespace)
+    base_module, stage = result
+    assert base_module == f"{namespace}.strategies.ddp" and stage == "compression"
