@@ -7,9 +7,18 @@ error feedback on the worker and the server side, about 1/32 of an fp32 allreduc
 
 from onebit_plugin.allreduce import CompressedAllreduce, compressed_allreduce
 from onebit_plugin.compression import ChunkLayout
+from onebit_plugin.ddp_hook import OneBitHookState, onebit_hook, register_onebit_hook
 from onebit_plugin.optimizer import OneBitAdam
 
-__all__ = ["ChunkLayout", "CompressedAllreduce", "OneBitAdam", "compressed_allreduce"]
+__all__ = [
+    "ChunkLayout",
+    "CompressedAllreduce",
+    "OneBitAdam",
+    "OneBitHookState",
+    "compressed_allreduce",
+    "onebit_hook",
+    "register_onebit_hook",
+]
 __version__ = "0.1.0"
 
 
