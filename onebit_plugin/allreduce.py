@@ -118,6 +118,7 @@ class CompressedAllreduce:
         self.calls = 0
         self._executor = executor
         self._owns_executor = executor is None
+        self._stream = None
         self._lock = threading.Lock()
 
     @property
@@ -184,7 +185,10 @@ class CompressedAllreduce:
     def _run(self, tensor: torch.Tensor, ready: torch.cuda.Event | None) -> None:
         with self._lock:
             if ready is not None:
-                stream = torch.cuda.Stream(device=tensor.device)
+                # One side stream per object, ordered after the producer through the event.
+                if self._stream is None:
+                    self._stream = torch.cuda.Stream(device=tensor.device)
+                stream = self._stream
                 with torch.cuda.stream(stream):
                     stream.wait_event(ready)
                     self._reduce(tensor)
@@ -282,6 +286,7 @@ class CompressedAllreduce:
         state = self.__dict__.copy()
         state["group"] = None
         state["_executor"] = None
+        state["_stream"] = None
         state["_lock"] = None
         return state
 

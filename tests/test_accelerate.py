@@ -80,7 +80,8 @@ def test_conversion_keeps_hyperparameters_and_scheduler():
     assert group is adamw.param_groups[0]  # the scheduler's edits reach the new optimizer
     assert (group["lr"], group["betas"], group["weight_decay"]) == (0.01, (0.8, 0.9), 0.1)
     assert group["decoupled_weight_decay"] is True
-    scheduler.step()
+    with pytest.warns(UserWarning, match="before `optimizer.step"):  # no training step here
+        scheduler.step()
     assert onebit.param_groups[0]["lr"] == pytest.approx(0.005)
     with pytest.raises(ValueError, match="replaces torch.optim.Adam or AdamW by OneBitAdam; "
                                          "this script passes SGD"):
