@@ -24,11 +24,12 @@ import onebit_plugin  # noqa: F401 -- registers strategy="onebit_adam"
 from onebit_plugin import OneBitAdam
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from charlm import CharGPT, load_corpus, loss_fn  # noqa: E402
+from charlm import CharGPT, load_corpus, loss_fn, sample_batch  # noqa: E402
 
 
 class Windows(Dataset):
-    """Fixed random windows of the corpus (deterministic for a seed)."""
+    """Fixed random windows of the corpus (deterministic for a seed). Training uses it only for
+    the epoch's length; its batches come from ``sample_batch`` (see ``training_step``)."""
 
     def __init__(self, data: torch.Tensor, context: int, count: int, seed: int):
         gen = torch.Generator().manual_seed(seed)
@@ -44,15 +45,23 @@ class Windows(Dataset):
 
 
 class CharModule(pl.LightningModule):
-    def __init__(self, args):
+    def __init__(self, args, train_data):
         super().__init__()
         self.args = args
+        self.train_data = train_data
         self.model = CharGPT(dim=args.dim, layers=args.layers, context=args.context)
         self.step_times = {"warmup": [], "compression": []}
         self._t0 = None
 
     def training_step(self, batch, batch_idx):
-        loss = loss_fn(self.model, *batch)
+        # The batch is a function of (seed, rank, step, micro-batch), not of the loader's
+        # position, so a run resumed from a checkpoint sees the batches of the uninterrupted run.
+        a = self.args
+        micro = batch_idx % a.accumulate
+        gen = torch.Generator().manual_seed(
+            ((a.seed * 1009 + self.global_rank) * 1_000_003 + self.global_step) * 64 + micro)
+        x, y = (t.to(self.device) for t in sample_batch(self.train_data, a.batch, a.context, gen))
+        loss = loss_fn(self.model, x, y)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
@@ -129,7 +138,7 @@ def main(argv=None) -> None:
                 pl.loggers.TensorBoardLogger(out, name="tb")],
         enable_model_summary=False, default_root_dir=out,
     )
-    module = CharModule(args)
+    module = CharModule(args, train)
     trainer.fit(module, train_loader, val_loader, ckpt_path=args.resume)
     val_loss = trainer.validate(module, val_loader, verbose=False)[0]["val_loss"]
     test_loss = trainer.test(module, val_loader, verbose=False)[0]["test_loss"] if args.test \

@@ -15,6 +15,12 @@ log = logging.getLogger("onebit_plugin")
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 
 
+def _to_cpu(obj):
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    return obj.cpu() if hasattr(obj, "cpu") else obj
+
+
 def make_strategy_class(pl, callback_cls):
     """Build the strategy for one Lightning namespace (``pytorch_lightning`` or
     ``lightning.pytorch``): each has its own ``DDPStrategy``."""
@@ -45,6 +51,10 @@ def make_strategy_class(pl, callback_cls):
         into the momentum during backward, so clipping applies to the averaged momentum that
         ``step()`` is about to apply (the same global norm on every rank, so ranks stay
         identical).
+
+        Checkpoints hold every rank's own error buffers (``onebit_ranks`` beside rank 0's
+        optimizer state) and each rank loads its own on resume, so a run resumed in either stage
+        continues the uninterrupted run's trajectory. Resuming with another world size raises.
         """
 
         strategy_name = "onebit_adam"
@@ -102,6 +112,41 @@ def make_strategy_class(pl, callback_cls):
             )
             if not self.hook_state.overlap:
                 log.info("onebit: compressed allreduce runs in optimizer.step() (no overlap)")
+
+        @override
+        def optimizer_state(self, optimizer) -> dict:
+            """Rank 0's optimizer state, plus every rank's own error buffers under
+            ``onebit_ranks``: the errors differ per rank and a checkpoint is written by rank 0
+            only. Collective: every rank calls it while the checkpoint is dumped."""
+            state = super().optimizer_state(optimizer)
+            inner = getattr(optimizer, "_optimizer", optimizer)
+            if not isinstance(inner, OneBitAdam) or self.world_size == 1:
+                return state
+            import torch.distributed as dist
+
+            own = _to_cpu(state["onebit"])
+            gathered = [None] * self.world_size if self.global_rank == 0 else None
+            dist.gather_object(own, gathered, dst=0)
+            if self.global_rank == 0:
+                state = dict(state, onebit_ranks=gathered)
+            return state
+
+        @override
+        def load_optimizer_state_dict(self, checkpoint) -> None:
+            states = []
+            for state in checkpoint["optimizer_states"]:
+                ranks = state.get("onebit_ranks")
+                if ranks is not None:
+                    if len(ranks) != self.world_size:
+                        raise ValueError(
+                            f"this checkpoint was written by {len(ranks)} ranks and is loaded "
+                            f"by {self.world_size}: OneBitAdam's error buffers are sharded per "
+                            "rank; resume with the same number of processes"
+                        )
+                    state = {k: v for k, v in state.items() if k != "onebit_ranks"}
+                    state["onebit"] = ranks[self.global_rank]
+                states.append(state)
+            super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
 
         @classmethod
         @override

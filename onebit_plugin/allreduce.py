@@ -262,7 +262,8 @@ class CompressedAllreduce:
             "calls": self.calls,
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, counters: bool = True) -> None:
+        """Load this rank's errors (and, with ``counters``, the byte and call counts)."""
         if state["numel"] != self.numel or state["world_size"] != self.world_size:
             raise ValueError(
                 "compressed allreduce state was saved for "
@@ -277,9 +278,10 @@ class CompressedAllreduce:
             )
         self.worker_error.copy_(state["worker_error"])
         self.server_error.copy_(state["server_error"])
-        self.bytes_sent = int(state["bytes_sent"])
-        self.dense_bytes = int(state["dense_bytes"])
-        self.calls = int(state["calls"])
+        if counters:
+            self.bytes_sent = int(state["bytes_sent"])
+            self.dense_bytes = int(state["dense_bytes"])
+            self.calls = int(state["calls"])
 
     def __getstate__(self):
         # Like torch's PowerSGDState: a process group and a thread pool do not pickle.

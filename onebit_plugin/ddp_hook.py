@@ -5,11 +5,16 @@ optimizer's stage, the way torch's ``PowerSGDState.start_powerSGD_iter`` switche
 
 * warm-up: a mean allreduce of the bucket, the same numbers as DDP's default
   (``buffer / W``, then a sum allreduce);
-* compression stage: the bucket's *local* gradients are folded into that bucket's momentum
-  (``m = b1*m + (1-b1)*g``, the optimizer's ``state['exp_avg']`` being views of a per-bucket
-  flat buffer) and the compressed allreduce of the momentum starts on a background thread, so
-  it overlaps the rest of backward. The averaged momentum comes back as the bucket's
-  "gradient"; ``OneBitAdam.step()`` takes it from ``p.grad`` and applies the frozen variance.
+* compression stage: the bucket's *local* gradients are folded into the momentum
+  (``m = b1*m + (1-b1)*g``). Momenta live in fixed *momentum groups* (the optimizer's
+  ``state['exp_avg']`` are views of their flat buffers), cut once from the parameters in reverse
+  order up to DDP's bucket size; as soon as every gradient of a group has arrived, its compressed
+  allreduce starts on a background thread and overlaps the rest of backward. The averaged
+  momentum comes back as the bucket's "gradient"; ``OneBitAdam.step()`` takes it from
+  ``p.grad`` and applies the frozen variance. The groups, not DDP's buckets, fix the compression
+  layout because DDP rebuilds its buckets after the first iteration of every run: a resumed
+  run compresses in the same layout as the uninterrupted one and gets its own error buffers
+  back, bit for bit.
 
 Gradient clipping between backward and ``step()`` therefore clips the averaged momentum in the
 compression stage (the same tensor on every rank, so ranks stay identical); in warm-up it clips
@@ -38,43 +43,67 @@ __all__ = ["OneBitHookState", "onebit_hook", "register_onebit_hook"]
 log = logging.getLogger(__name__)
 
 
-class _BucketState:
-    """One DDP bucket's momentum (the optimizer's exp_avg are views of it) and its allreduce."""
+class _MomentumGroup:
+    """A fixed set of parameters whose momenta are compressed together.
 
-    __slots__ = ("params", "version", "momentum", "comm", "folds")
+    The groups are cut once from the optimizer's parameters (reverse order, as gradients
+    usually become ready, up to ``cap_bytes`` of fp32 each) and do not follow DDP's buckets:
+    DDP rebuilds its buckets after the first iteration of every run, so a run resumed from a
+    checkpoint would otherwise compress its first step in another layout than the uninterrupted
+    run (other chunks, other block scales) and leave the saved error buffers without a home.
+    """
 
-    def __init__(self, state: "OneBitHookState", bucket: dist.GradBucket, previous):
+    __slots__ = ("index", "params", "momentum", "offsets", "comm", "remaining", "pending")
+
+    def __init__(self, index: int, params: list, state: "OneBitHookState"):
         opt = state.optimizer
-        buffer = bucket.buffer()
-        self.params = tuple(bucket.parameters())
-        self.version = opt.state_version
-        self.momentum = torch.zeros(buffer.numel(), dtype=torch.float32, device=buffer.device)
-        keep = torch.zeros(buffer.numel(), dtype=torch.bool, device=buffer.device)
-        group_of = {p: g for g in opt.param_groups for p in g["params"]}
-        self.folds = []
-        for p, grad in zip(self.params, bucket.gradients(), strict=True):
-            # Offsets from the gradient views themselves: robust to any bucket layout.
-            start = (grad.data_ptr() - buffer.data_ptr()) // grad.element_size()
-            view = self.momentum[start : start + p.numel()]
+        self.index = index
+        self.params = params
+        numel = sum(p.numel() for p in params)
+        device = params[0].device
+        self.momentum = torch.empty(numel, dtype=torch.float32, device=device)
+        keep = torch.empty(numel, dtype=torch.bool, device=device)
+        self.offsets = {}
+        offset = 0
+        for p in params:
+            view = self.momentum[offset : offset + p.numel()]
             view.copy_(opt.state[p]["exp_avg"].reshape(-1))
-            opt.state[p]["exp_avg"] = view.view_as(p)
-            keep[start : start + p.numel()] = opt.momentum_keep_mask(p)
-            group = group_of[p]
-            self.folds.append((view.view_as(p), start, p, group))
+            opt.state[p]["exp_avg"] = view.view_as(p)  # one momentum, owned here
+            keep[offset : offset + p.numel()] = opt.momentum_keep_mask(p)
+            self.offsets[p] = offset
+            offset += p.numel()
         self.momentum.masked_fill_(keep.logical_not(), 0.0)
         self.comm = CompressedAllreduce(
-            buffer.numel(), state.comm_group, max_block=opt.max_block, scale=opt.scale,
-            mask=keep, device=buffer.device, executor=state.executor,
+            numel, state.comm_group, max_block=opt.max_block, scale=opt.scale, mask=keep,
+            device=device, executor=state.executor,
         )
-        opt.attach_comm(self.comm, previous.comm if previous is not None else None)
+        opt.attach_comm(index, self.comm)  # loads this group's saved errors, if any
+        self.remaining = len(params)
+        self.pending: torch.futures.Future | None = None
 
-    def fold(self, buffer: torch.Tensor) -> None:
-        for exp_avg, start, p, group in self.folds:
-            grad = buffer[start : start + p.numel()].view_as(p)
-            _fold_gradient_(
-                exp_avg, grad, p, beta1=group["betas"][0], weight_decay=group["weight_decay"],
-                decoupled=group["decoupled_weight_decay"],
-            )
+    def view(self, p: torch.Tensor) -> torch.Tensor:
+        start = self.offsets[p]
+        return self.momentum[start : start + p.numel()].view_as(p)
+
+    def arrived(self) -> torch.futures.Future:
+        """One more of this group's gradients was folded; once all have, start the compressed
+        allreduce. Returns the future of this iteration's allreduce."""
+        if self.pending is None:
+            self.pending = torch.futures.Future()
+        pending = self.pending
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.remaining, self.pending = len(self.params), None
+
+            def done(fut: torch.futures.Future) -> None:
+                try:
+                    fut.value()
+                    pending.set_result(None)
+                except BaseException as exc:  # noqa: BLE001 - raised where DDP waits
+                    pending.set_exception(exc)
+
+            self.comm(self.momentum, async_op=True).add_done_callback(done)
+        return pending
 
 
 class OneBitHookState:
@@ -87,10 +116,12 @@ class OneBitHookState:
         overlap: compress inside backward (True) or leave it to ``OneBitAdam.step()`` (False).
         record_timeline: keep ``(bucket index, hook called, allreduce done)`` perf-counter
             times of compression-stage buckets in ``timeline`` (for overlap checks).
+        bucket_cap_mb: size of a momentum group (fp32); ``register_onebit_hook`` passes the
+            DDP model's bucket size.
 
     The compressed allreduces run on their own process group (made here, so every rank must
     construct this state at the same point, as DDP itself requires) and on one background
-    thread shared by all buckets: collectives keep one order across ranks and never interleave
+    thread shared by all groups: collectives keep one order across ranks and never interleave
     with what the main thread sends on the DDP group. Pickling drops the process groups and the
     thread; an unpickled state runs on the default group.
     """
@@ -104,8 +135,11 @@ class OneBitHookState:
         # The optimizer whose stage and momentum the hook follows
         "optimizer",
         "overlap",
-        # Per-bucket compression state, keyed by DDP bucket index
-        "buckets",
+        # The momentum groups and, per parameter, its group
+        "bucket_cap_bytes",
+        "groups",
+        "group_of",
+        "groups_version",
         # Diagnostics
         "record_timeline",
         "timeline",
@@ -117,6 +151,7 @@ class OneBitHookState:
         process_group: dist.ProcessGroup | None = None,
         overlap: bool = True,
         record_timeline: bool = False,
+        bucket_cap_mb: float = 25.0,
     ):
         self.optimizer = optimizer
         self.process_group = process_group
@@ -128,29 +163,36 @@ class OneBitHookState:
             else None
         )
         self.overlap = overlap
-        self.buckets: dict[int, _BucketState] = {}
+        self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
+        self.groups: list[_MomentumGroup] = []
+        self.group_of: dict[torch.Tensor, _MomentumGroup] = {}
+        self.groups_version = -1
         self.record_timeline = record_timeline
         self.timeline: list[tuple[int, float, float]] = []
 
-    def bucket_state(self, bucket: dist.GradBucket) -> _BucketState:
-        index = bucket.index()
-        current = self.buckets.get(index)
-        params = tuple(bucket.parameters())
-        # DDP rebuilds its buckets after the first iteration, and load_state_dict replaces the
-        # momentum tensors: either way, rebuild from the optimizer's exp_avg.
-        if (
-            current is None
-            or current.version != self.optimizer.state_version
-            or len(current.params) != len(params)
-            or any(a is not b for a, b in zip(current.params, params, strict=True))
-        ):
-            current = _BucketState(self, bucket, current)
-            self.buckets[index] = current
-        return current
+    def momentum_groups(self) -> dict[torch.Tensor, _MomentumGroup]:
+        """Parameter -> its momentum group; (re)built at the first compression step and after
+        ``load_state_dict`` replaced the momentum tensors."""
+        opt = self.optimizer
+        if self.groups_version != opt.state_version:
+            self.groups, self.group_of = [], {}
+            current, size = [], 0
+            for p in reversed(opt._trainable()):
+                if current and size + 4 * p.numel() > self.bucket_cap_bytes:
+                    self.groups.append(_MomentumGroup(len(self.groups), current, self))
+                    current, size = [], 0
+                current.append(p)
+                size += 4 * p.numel()
+            self.groups.append(_MomentumGroup(len(self.groups), current, self))
+            self.group_of = {p: g for g in self.groups for p in g.params}
+            self.groups_version = opt.state_version
+        return self.group_of
 
     def __getstate__(self):
         state = {slot: getattr(self, slot) for slot in self.__slots__}
         state.update(process_group=None, comm_group=None, executor=None)
+        for group in state["groups"]:
+            group.pending = None
         return state
 
     def __setstate__(self, state):
@@ -178,18 +220,32 @@ def onebit_hook(
         done.set_result(buffer)  # local gradient; OneBitAdam.step() averages the momentum
         return done
     started = time.perf_counter()
-    bucket_state = state.bucket_state(bucket)
-    bucket_state.fold(buffer)
-    pending = bucket_state.comm(bucket_state.momentum, async_op=True)
+    group_of = state.momentum_groups()
+    param_group = {p: g for g in opt.param_groups for p in g["params"]}
+    waits, parts = [], []
+    for p, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+        group = group_of[p]
+        hyper = param_group[p]
+        momentum = group.view(p)
+        _fold_gradient_(
+            momentum, grad, p, beta1=hyper["betas"][0], weight_decay=hyper["weight_decay"],
+            decoupled=hyper["decoupled_weight_decay"],
+        )
+        parts.append((grad, momentum))
+        pending = group.arrived()
+        if all(pending is not w for w in waits):
+            waits.append(pending)
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
-        fut.value()  # re-raises a failed allreduce here, where DDP waits
-        buffer.copy_(bucket_state.momentum)
+        for each in fut.value():
+            each.value()  # re-raises a failed allreduce here, where DDP waits
+        for grad, momentum in parts:
+            grad.copy_(momentum)  # the bucket's gradient views: DDP hands them to step()
         if state.record_timeline:
             state.timeline.append((bucket.index(), started, time.perf_counter()))
         return buffer
 
-    return pending.then(finish)
+    return torch.futures.collect_all(waits).then(finish)
 
 
 def register_onebit_hook(
@@ -222,11 +278,14 @@ def register_onebit_hook(
                 "overlapping backward", len(ddp_params), len(optimizer._trainable()),
             )
             overlap = False
-    state = OneBitHookState(optimizer, model.process_group, overlap, record_timeline)
+    state = OneBitHookState(
+        optimizer, model.process_group, overlap, record_timeline,
+        bucket_cap_mb=model.bucket_bytes_cap / 2**20,
+    )
     optimizer.average_grads = False
     optimizer.momentum_from_hook = overlap
     if overlap and optimizer.comm is not None:
-        # Resumed into the compression stage before the hook existed: buckets take over.
+        # Resumed into the compression stage before the hook existed: the groups take over.
         optimizer.comm, optimizer._flat_momentum = None, None
     elif not overlap and optimizer.stage != WARMUP and optimizer.comm is None:
         optimizer._build_flat_state(optimizer._trainable())

@@ -221,7 +221,8 @@ class OneBitAdam(Optimizer):
         # into the momentum and averages it inside backward, and hands the averaged momentum
         # to step() through p.grad.
         self.momentum_from_hook = False
-        self._hook_comms: list[CompressedAllreduce] = []
+        self._hook_comms: dict[int, CompressedAllreduce] = {}  # by DDP bucket index
+        self._saved_hook_comms: dict[int, dict] = {}  # loaded, not yet claimed by a bucket
         self._retired_sent = 0
         self._retired_dense = 0
         self.state_version = 0  # bumped by load_state_dict: hooks rebuild their views
@@ -238,7 +239,7 @@ class OneBitAdam(Optimizer):
         return dist.get_world_size(self.process_group)
 
     def _all_comms(self) -> list[CompressedAllreduce]:
-        return ([self.comm] if self.comm is not None else []) + self._hook_comms
+        return ([self.comm] if self.comm is not None else []) + list(self._hook_comms.values())
 
     @property
     def bytes_sent(self) -> int:
@@ -256,14 +257,18 @@ class OneBitAdam(Optimizer):
         self._uncompressed_sent += sent
         self._uncompressed_dense += sent
 
-    def attach_comm(self, comm: CompressedAllreduce, replaces: CompressedAllreduce | None) -> None:
-        """Count the bytes of a compressed allreduce that runs for this optimizer elsewhere
-        (a DDP comm hook's bucket); ``replaces`` is retired with its counts kept."""
-        if replaces is not None and replaces in self._hook_comms:
-            self._hook_comms.remove(replaces)
-            self._retired_sent += replaces.bytes_sent
-            self._retired_dense += replaces.dense_bytes
-        self._hook_comms.append(comm)
+    def attach_comm(self, key: int, comm: CompressedAllreduce) -> None:
+        """Adopt the compressed allreduce of DDP bucket ``key`` (the comm hook's): its bytes
+        count here, its errors are saved with this optimizer, and errors saved under the same
+        key by a checkpoint are loaded into it. A comm it replaces is retired, counts kept."""
+        old = self._hook_comms.pop(key, None)
+        if old is not None:
+            self._retired_sent += old.bytes_sent
+            self._retired_dense += old.dense_bytes
+        saved = self._saved_hook_comms.pop(key, None)
+        if saved is not None:
+            comm.load_state_dict(saved, counters=False)  # counts were folded into retired
+        self._hook_comms[key] = comm
 
     def momentum_keep_mask(self, p: torch.Tensor) -> torch.Tensor:
         """Flat bool mask of ``p``'s coordinates that take part in the compression stage:
@@ -455,21 +460,30 @@ class OneBitAdam(Optimizer):
 
     # ---------------------------------------------------------------------------- state dict
     def state_dict(self) -> dict:
-        """Adam's state (``step``, ``exp_avg``, ``exp_avg_sq`` per param, fp32) plus a ``onebit``
-        entry: the stage, the switch step, byte counters and this rank's error buffers."""
+        """Adam's state (``step``, ``exp_avg``, ``exp_avg_sq`` per param, fp32) plus the
+        ``onebit`` entry of :meth:`onebit_state_dict` (this rank's)."""
         sd = super().state_dict()
-        sd["onebit"] = {
+        sd["onebit"] = self.onebit_state_dict()
+        return sd
+
+    def onebit_state_dict(self) -> dict:
+        """What Adam's state does not hold: the stage, the switch step, byte counters and this
+        rank's error buffers (flat, or per DDP bucket). Errors differ between ranks: each rank
+        must save its own (the Lightning strategy and the Accelerate flag do)."""
+        hook = {k: c.state_dict() for k, c in self._hook_comms.items()}
+        hook.update({k: v for k, v in self._saved_hook_comms.items() if k not in hook})
+        return {
             "global_step": self.global_step,
             "freeze_step": self.freeze_step,
             "switch_step": self.switch_step,
+            "world_size": self.world_size,
             "uncompressed_sent": self._uncompressed_sent,
             "uncompressed_dense": self._uncompressed_dense,
-            # Bytes of hook buckets' compressed allreduces (their errors are not saved yet).
-            "hook_sent": self._retired_sent + sum(c.bytes_sent for c in self._hook_comms),
-            "hook_dense": self._retired_dense + sum(c.dense_bytes for c in self._hook_comms),
+            "retired_sent": self._retired_sent,
+            "retired_dense": self._retired_dense,
             "comm": self.comm.state_dict() if self.comm is not None else None,
+            "hook_comms": hook,
         }
-        return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         onebit = state_dict.get("onebit")
@@ -485,17 +499,34 @@ class OneBitAdam(Optimizer):
             for k, v in tensors.items():
                 self.state[p][k] = v.to(device=p.device if k != "step" else v.device, copy=True)
         self.state_version += 1
-        if onebit is None:
-            return
+        self.comm, self._flat_momentum = None, None
+        if onebit is not None:
+            self.load_onebit_state_dict(onebit)
+        elif self.switch_step is not None and not self.momentum_from_hook:
+            self._build_flat_state(self._trainable())
+
+    def load_onebit_state_dict(self, onebit: dict) -> None:
+        """Load an :meth:`onebit_state_dict` (after Adam's state is in place): also how a rank
+        puts back its own error buffers when the rest came from rank 0's checkpoint."""
+        saved_world = onebit.get("world_size", self.world_size)
+        if onebit["switch_step"] is not None and saved_world != self.world_size:
+            raise ValueError(
+                f"this OneBitAdam state was saved in the compression stage by {saved_world} "
+                f"ranks and is loaded by {self.world_size}: its error buffers are sharded per "
+                "rank; resume with the same world size"
+            )
         self.global_step = int(onebit["global_step"])
         self.switch_step = onebit["switch_step"]
         self._uncompressed_sent = int(onebit["uncompressed_sent"])
         self._uncompressed_dense = int(onebit["uncompressed_dense"])
-        self._hook_comms = []
-        self._retired_sent = int(onebit.get("hook_sent", 0))
-        self._retired_dense = int(onebit.get("hook_dense", 0))
-        self.comm = None
-        self._flat_momentum = None
+        saved_hook = dict(onebit.get("hook_comms") or {})
+        self._retired_sent = int(onebit.get("retired_sent", 0))
+        self._retired_dense = int(onebit.get("retired_dense", 0))
+        self._retired_sent += sum(int(c["bytes_sent"]) for c in saved_hook.values())
+        self._retired_dense += sum(int(c["dense_bytes"]) for c in saved_hook.values())
+        self._hook_comms, self._saved_hook_comms = {}, saved_hook
+        self.state_version += 1
+        self.comm, self._flat_momentum = None, None
         if self.switch_step is not None and not self.momentum_from_hook:
             self._build_flat_state(self._trainable())
             if onebit["comm"] is not None:
