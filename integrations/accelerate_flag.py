@@ -30,7 +30,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import accelerate
 import torch
@@ -147,6 +149,53 @@ class Accelerator(accelerate.Accelerator):
                 "with a GradScaler, whose scale would enter the compressed momentum before "
                 "overflowed steps can be skipped"
             )
+
+    def _onebit_optimizers(self) -> list[OneBitAdam]:
+        inner = [getattr(o, "optimizer", o) for o in self._optimizers]
+        return [o for o in inner if isinstance(o, OneBitAdam)]
+
+    def save_state(self, output_dir=None, safe_serialization: bool = True, **kwargs):
+        """``accelerate.Accelerator.save_state``, plus each rank's own OneBitAdam error buffers
+        in ``onebit_rank<R>.pt`` (Accelerate writes the optimizer from the main process only,
+        and the error buffers differ per rank)."""
+        location = super().save_state(output_dir, safe_serialization=safe_serialization,
+                                      **kwargs)
+        optimizers = self._onebit_optimizers()
+        if optimizers:
+            self.wait_for_everyone()  # the main process made the folder
+            torch.save([o.onebit_state_dict() for o in optimizers],
+                       Path(location) / f"onebit_rank{self.process_index}.pt")
+            self.wait_for_everyone()
+        return location
+
+    def load_state(self, input_dir=None, load_kwargs=None, **kwargs):
+        """``accelerate.Accelerator.load_state``, then each rank loads its own OneBitAdam error
+        buffers (``save_state`` of this class wrote them)."""
+        super().load_state(input_dir, load_kwargs, **kwargs)
+        optimizers = self._onebit_optimizers()
+        if not optimizers:
+            return
+        location = Path(input_dir) if input_dir is not None else self._latest_checkpoint()
+        saved = sorted(location.glob("onebit_rank*.pt"))
+        if len(saved) != self.num_processes:
+            raise ValueError(
+                f"{location} holds OneBitAdam error buffers of {len(saved)} ranks and this run "
+                f"has {self.num_processes} processes: they are sharded per rank; resume with "
+                "the same number of processes (and a checkpoint written by this Accelerator)"
+            )
+        states = torch.load(location / f"onebit_rank{self.process_index}.pt",
+                            weights_only=False)
+        for optimizer, state in zip(optimizers, states, strict=True):
+            optimizer.load_onebit_state_dict(state)
+
+    def _latest_checkpoint(self) -> Path:
+        # Accelerate's automatic naming: <project_dir>/checkpoints/checkpoint_<N>, newest wins.
+        folder = Path(self.project_dir) / "checkpoints"
+        found = [(int(m.group(1)), p) for p in folder.glob("checkpoint_*")
+                 if (m := re.fullmatch(r"checkpoint_(\d+)", p.name))]
+        if not found:
+            raise ValueError(f"no checkpoint_<N> folder in {folder} to load OneBitAdam state")
+        return max(found)[1]
 
     def prepare(self, *args, device_placement=None):
         if self.onebit is None:

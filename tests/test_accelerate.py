@@ -51,6 +51,20 @@ def test_flag_on_trains_with_onebit_adam_and_resumes(tmp_path):
     assert (tmp_path / "state" / "optimizer.bin").exists()
 
 
+def test_save_load_state_continues_the_uninterrupted_run_bitwise(tmp_path):
+    """save_state at step 20 (compression stage), load_state into a fresh model, optimizer and
+    Accelerator, continue to 30: the same parameters as 30 uninterrupted steps."""
+    flag = {"ONEBIT_ADAM": "1", "ONEBIT_FREEZE_STEP": "10"}
+    _launch(tmp_path / "straight", flag)
+    _launch(tmp_path / "resumed", flag, "--save-at", "20")
+    straight, resumed = _ranks(tmp_path / "straight"), _ranks(tmp_path / "resumed")
+    assert sorted(p.name for p in (tmp_path / "resumed" / "state").glob("onebit_rank*")) == [
+        "onebit_rank0.pt", "onebit_rank1.pt"]
+    for a, b in zip(straight, resumed, strict=True):
+        for x, y in zip(a["params"], b["params"], strict=True):
+            assert torch.equal(x, y)
+
+
 def test_flag_off_is_plain_accelerate(tmp_path):
     ours, plain = tmp_path / "ours", tmp_path / "plain"
     _launch(ours, {"ONEBIT_ADAM": "0"})
@@ -88,3 +102,16 @@ def test_conversion_keeps_hyperparameters_and_scheduler():
         to_onebit_adam(torch.optim.SGD(model.parameters(), lr=0.1), OneBitSettings(5))
     with pytest.raises(ValueError, match="does not support Adam's amsgrad=True"):
         to_onebit_adam(torch.optim.Adam(model.parameters(), amsgrad=True), OneBitSettings(5))
+
+
+def test_latest_automatic_checkpoint_is_found(tmp_path):
+    from onebit_plugin.integrations.accelerate_flag import Accelerator
+
+    for n in (2, 10, 9):
+        (tmp_path / "checkpoints" / f"checkpoint_{n}").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "checkpoint_x").mkdir()
+
+    class Probe:
+        project_dir = str(tmp_path)
+
+    assert Accelerator._latest_checkpoint(Probe()).name == "checkpoint_10"
