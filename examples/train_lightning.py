@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import onebit_plugin  # noqa: F401 -- registers strategy="onebit_adam"
 from onebit_plugin import OneBitAdam
+from onebit_plugin.integrations.lightning import OneBitAdamCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from charlm import CharGPT, load_corpus, loss_fn, sample_batch  # noqa: E402
@@ -107,6 +108,8 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-every", type=int, default=0, help="ModelCheckpoint every N steps")
     p.add_argument("--resume", help="checkpoint path for fit(ckpt_path=...)")
     p.add_argument("--test", action="store_true", help="run trainer.test after fit")
+    p.add_argument("--check-lockstep", type=int, default=0,
+                   help="verify every N steps that all ranks hold identical parameters")
     p.add_argument("--out", default="lightning_out")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -122,6 +125,8 @@ def main(argv=None) -> None:
     train_loader = DataLoader(Windows(train, args.context, samples, args.seed), args.batch)
     val_loader = DataLoader(Windows(val, args.context, 256, 1234), 32)
     callbacks = []
+    if args.optimizer == "onebit":
+        callbacks.append(OneBitAdamCallback(check_lockstep_every_n_steps=args.check_lockstep))
     if args.ckpt_every:
         callbacks.append(pl.callbacks.ModelCheckpoint(
             dirpath=out / "ckpt", every_n_train_steps=args.ckpt_every, save_top_k=-1,

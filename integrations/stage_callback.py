@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from onebit_plugin.lockstep import check_lockstep
 from onebit_plugin.optimizer import COMPRESSION, OneBitAdam
 
 
@@ -27,10 +28,18 @@ def make_callback_class(pl):
 
         Args:
             progress_bar: show ``onebit_stage`` in the progress bar.
+            check_lockstep_every_n_steps: every N optimizer steps, verify that all ranks hold
+                bit-identical parameters and the same optimizer stage
+                (``onebit_plugin.check_lockstep``; one small all-gather), raising
+                ``LockstepError`` otherwise. 0 (default) never checks.
         """
 
-        def __init__(self, progress_bar: bool = True):
+        def __init__(self, progress_bar: bool = True, check_lockstep_every_n_steps: int = 0):
+            if check_lockstep_every_n_steps < 0:
+                raise ValueError("check_lockstep_every_n_steps must be >= 0, got "
+                                 f"{check_lockstep_every_n_steps}")
             self.progress_bar = progress_bar
+            self.check_every = check_lockstep_every_n_steps
             self.switch_logged = False
             self.switch_step: int | None = None
 
@@ -60,6 +69,8 @@ def make_callback_class(pl):
             if self.progress_bar:
                 pl_module.log("onebit_stage", float(compressing), prog_bar=True, logger=False,
                               on_step=True, on_epoch=False)
+            if self.check_every and step % self.check_every == 0:
+                check_lockstep(pl_module.parameters(), opt)
             every = max(1, trainer.log_every_n_steps)
             if step % every == 0:
                 metrics = {

@@ -8,13 +8,16 @@ error feedback on the worker and the server side, about 1/32 of an fp32 allreduc
 from onebit_plugin.allreduce import CompressedAllreduce, compressed_allreduce
 from onebit_plugin.compression import ChunkLayout
 from onebit_plugin.ddp_hook import OneBitHookState, onebit_hook, register_onebit_hook
+from onebit_plugin.lockstep import LockstepError, check_lockstep
 from onebit_plugin.optimizer import OneBitAdam
 
 __all__ = [
     "ChunkLayout",
     "CompressedAllreduce",
+    "LockstepError",
     "OneBitAdam",
     "OneBitHookState",
+    "check_lockstep",
     "compressed_allreduce",
     "onebit_hook",
     "register_onebit_hook",

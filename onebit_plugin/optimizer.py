@@ -205,6 +205,7 @@ class OneBitAdam(Optimizer):
                     f"a mask has shape {tuple(m.shape)}, its parameter {tuple(p.shape)}"
                 )
             self._masks[p] = m.to(device=p.device, dtype=torch.bool)
+        _reject_sharded(self._trainable())
         devices = {p.device for p in self._trainable()}
         if len(devices) > 1:
             raise ValueError(
@@ -309,6 +310,8 @@ class OneBitAdam(Optimizer):
             if p.grad is not None and p.grad.is_sparse:
                 raise ValueError("OneBitAdam does not support sparse gradients")
         self.global_step += 1
+        if self.global_step == 1 and self.world_size > 1:
+            self._check_ranks_agree()
         if self.switch_step is None:
             if self.average_grads and self.world_size > 1:
                 self._average_gradients()
@@ -318,6 +321,33 @@ class OneBitAdam(Optimizer):
         else:
             self._compression_step()
         return loss
+
+    def _check_ranks_agree(self) -> None:
+        """First step: every rank must run the same configuration, or the ranks would switch
+        stages at different steps or lay out the compressed momentum differently."""
+        params = self._trainable()
+        config = {
+            "freeze_step": self.freeze_step,
+            "max_block": self.max_block,
+            "scale": SCALE_RULES.index(self.scale),
+            "mask_zero_variance": int(self.mask_zero_variance),
+            "compress_momentum": int(self.compress_momentum),
+            "trainable parameters": len(params),
+            "trainable values": sum(p.numel() for p in params),
+        }
+        local = torch.tensor(list(config.values()), dtype=torch.int64)
+        if params and params[0].is_cuda:  # NCCL gathers device tensors
+            local = local.to(params[0].device)
+        world = self.world_size
+        gathered = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(gathered, local, group=self.process_group)
+        for i, name in enumerate(config):
+            values = [int(g[i]) for g in gathered]
+            if len(set(values)) > 1:
+                raise ValueError(
+                    f"OneBitAdam's {name} differs between ranks: {values} (rank 0..{world - 1});"
+                    " every rank must use the same settings and parameters"
+                )
 
     def _warmup_step(self) -> None:
         for group in self.param_groups:
@@ -531,6 +561,30 @@ class OneBitAdam(Optimizer):
             self._build_flat_state(self._trainable())
             if onebit["comm"] is not None:
                 self.comm.load_state_dict(onebit["comm"])
+
+
+SUPPORTED_SETUPS = (
+    "plain torch.distributed (OneBitAdam averages by itself), DDP with register_onebit_hook, "
+    "Lightning strategy='onebit_adam', Accelerate with ONEBIT_ADAM=1"
+)
+
+
+def _reject_sharded(params: list[torch.Tensor]) -> None:
+    """FSDP and DeepSpeed ZeRO hand the optimizer shards of parameters; OneBitAdam averages
+    whole momenta across data-parallel ranks and would silently mix unrelated shards."""
+    for p in params:
+        kind = None
+        if type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor"):
+            kind = "FSDP2/DTensor-sharded"
+        elif getattr(p, "_is_flat_param", False) or hasattr(p, "_fsdp_flattened"):
+            kind = "FSDP-flattened"
+        elif hasattr(p, "ds_id") or hasattr(p, "ds_tensor"):
+            kind = "DeepSpeed ZeRO-partitioned"
+        if kind is not None:
+            raise ValueError(
+                f"OneBitAdam got {kind} parameters; it supports unsharded data parallelism only: "
+                f"{SUPPORTED_SETUPS}"
+            )
 
 
 def _ring_bytes(nbytes: int, world: int) -> int:

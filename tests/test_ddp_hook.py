@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from onebit_plugin import OneBitAdam
+from onebit_plugin import OneBitAdam, check_lockstep
 from onebit_plugin.ddp_hook import register_onebit_hook
 from tests.dist_helpers import assert_ranks_identical, run_ranks
 
@@ -120,6 +120,7 @@ def _lockstep_worker(rank, world):
                 loss.backward()
         opt.step()
         stages.append(opt.stage)
+        check_lockstep(ddp.parameters(), opt)
     return ([p.detach() for p in ddp.parameters()], stages, opt.switch_step, state.overlap,
             len(state.groups), opt.bytes_sent, opt.dense_bytes)
 

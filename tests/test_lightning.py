@@ -46,7 +46,7 @@ def fp32_run(tmp_path_factory):
     """32-true with gradient accumulation, clipping, checkpoints every 10 steps and a test loop."""
     out = tmp_path_factory.mktemp("fp32")
     log = _fit(out, "--steps", "30", "--precision", "32-true", "--accumulate", "2",
-               "--clip", "1.0", "--ckpt-every", "5", "--test")
+               "--clip", "1.0", "--ckpt-every", "5", "--test", "--check-lockstep", "1")
     return out, log
 
 
@@ -79,7 +79,7 @@ def test_resume_continues_the_uninterrupted_run_bitwise(fp32_run, tmp_path, resu
     ckpt = out / "ckpt" / f"step={resume_step}.ckpt"
     assert ckpt.exists(), sorted(p.name for p in (out / "ckpt").iterdir())
     log = _fit(tmp_path, "--steps", "30", "--precision", "32-true", "--accumulate", "2",
-               "--clip", "1.0", "--resume", str(ckpt))
+               "--clip", "1.0", "--resume", str(ckpt), "--check-lockstep", "1")
     uninterrupted, resumed = _ranks(out), _ranks(tmp_path)
     assert_ranks_identical([r["params"] for r in resumed], "resumed parameters")
     assert resumed[0]["global_step"] == 30 and resumed[0]["switch_step"] == FREEZE

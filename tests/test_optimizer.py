@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from onebit_plugin import OneBitAdam
+from onebit_plugin import OneBitAdam, check_lockstep
 from tests.dist_helpers import assert_ranks_identical, run_ranks
 
 
@@ -110,6 +110,7 @@ def _compression_worker(rank, world, dtype, freeze, steps):
             model[4].bias.grad = None  # absent on one rank only: must not desynchronise
         opt.step()
         stages.append(opt.stage)
+        check_lockstep(model.parameters(), opt)
     state = opt.state[embedding]
     return {
         "params": [p.detach().clone() for p in model.parameters()],

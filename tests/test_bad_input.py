@@ -1,0 +1,88 @@
+"""Bad input gets a clear error naming the problem; lockstep violations are caught."""
+
+import pytest
+import torch
+from torch import nn
+
+from onebit_plugin import LockstepError, OneBitAdam, check_lockstep
+from tests.dist_helpers import run_ranks
+
+
+def test_empty_parameter_list():
+    with pytest.raises(ValueError, match="empty parameter list"):
+        OneBitAdam([], freeze_step=5)
+
+
+def test_parameters_on_mixed_devices():
+    a = nn.Parameter(torch.zeros(2))
+    b = nn.Parameter(torch.zeros(2, device="meta"))
+    with pytest.raises(ValueError, match=r"all parameters on one device, got \['cpu', 'meta'\]"):
+        OneBitAdam([a, b], freeze_step=5)
+
+
+def test_deepspeed_zero_partitioned_parameters():
+    p = nn.Parameter(torch.zeros(4))
+    p.ds_id = 0  # what DeepSpeed ZeRO-3 puts on its partitioned parameters
+    with pytest.raises(ValueError, match="DeepSpeed ZeRO-partitioned parameters; it supports "
+                                         "unsharded data parallelism only: plain torch"):
+        OneBitAdam([p], freeze_step=5)
+
+
+def _fsdp_worker(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    fully_shard(model)
+    try:
+        OneBitAdam(model.parameters(), freeze_step=5)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_fsdp_sharded_parameters():
+    message = run_ranks(_fsdp_worker, 2)[0]
+    assert "FSDP2/DTensor-sharded parameters" in message and "Lightning" in message
+
+
+def _mismatch_worker(rank, world):
+    model = nn.Linear(4, 2)
+    opt = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=10 if rank == 0 else 12)
+    model(torch.randn(3, 4)).sum().backward()
+    try:
+        opt.step()
+    except ValueError as exc:
+        return str(exc), [p.detach().clone() for p in model.parameters()]
+    return "no error", None
+
+
+def test_mismatched_freeze_step_between_ranks():
+    for message, _ in run_ranks(_mismatch_worker, 2):
+        assert message == ("OneBitAdam's freeze_step differs between ranks: [10, 12] (rank 0..1);"
+                           " every rank must use the same settings and parameters")
+
+
+def _lockstep_worker(rank, world, perturb):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    for step in range(4):
+        opt.zero_grad()
+        model(torch.randn(5, 4, generator=torch.Generator().manual_seed(step + rank))).sum() \
+            .backward()
+        opt.step()
+    if perturb and rank == 1:
+        with torch.no_grad():
+            flat = model.weight.view(-1)
+            flat[3] = torch.nextafter(flat[3], torch.tensor(float("inf")))  # one ulp
+    try:
+        check_lockstep(model.parameters(), opt)
+    except LockstepError as exc:
+        return str(exc)
+    return "in lockstep"
+
+
+def test_check_lockstep_passes_and_catches_one_ulp():
+    assert run_ranks(_lockstep_worker, 3, False) == ["in lockstep"] * 3
+    messages = run_ranks(_lockstep_worker, 2, True)
+    assert messages == ["rank 1 differs from rank 0 in parameter 0"] * 2
