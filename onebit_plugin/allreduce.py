@@ -74,6 +74,7 @@ class CompressedAllreduce:
         dense_bytes: bytes a bandwidth-optimal fp32 ring allreduce of the same tensor would have
             sent from this rank over the same calls, for the compression ratio.
         calls: completed calls.
+        skipped_calls: calls skipped because some rank's input was not finite.
     """
 
     def __init__(
@@ -116,6 +117,8 @@ class CompressedAllreduce:
         self.bytes_sent = 0
         self.dense_bytes = 0
         self.calls = 0
+        self.skipped_calls = 0
+        self.last_call_skipped = False
         self._executor = executor
         self._owns_executor = executor is None
         self._stream = None
@@ -150,19 +153,33 @@ class CompressedAllreduce:
                 f"tensor is on {tensor.device}, the compressed allreduce's buffers on {self.device}"
             )
 
-    def __call__(self, tensor: torch.Tensor, async_op: bool = False):
-        """Replace ``tensor`` (in place) by the compressed average over the group's ranks.
+    def __call__(
+        self, tensor: torch.Tensor, async_op: bool = False, out: torch.Tensor | None = None
+    ):
+        """Write the compressed average of ``tensor`` over the group's ranks into ``out``
+        (default: ``tensor`` itself, in place).
 
-        Returns ``tensor``, or with ``async_op=True`` a ``torch.futures.Future`` that completes
-        with ``tensor`` once the result is in it. Asynchronous calls run in order on one
+        Returns ``out``, or with ``async_op=True`` a ``torch.futures.Future`` that completes
+        with ``out`` once the result is in it. Asynchronous calls run in order on one
         background thread; while one is in flight, issue no other collective on this group from
         another thread (give the compressed allreduce its own group for that, as the DDP hook
         does), since ranks must enter collectives in the same order.
+
+        Non-finite input on any rank skips the call on *every* rank: that rank sends NaN scales
+        instead of compressing (its worker error untouched), the servers pass the NaN on
+        instead of updating their errors, and every rank sees it in the gathered scales, so no
+        extra collective is needed to agree. ``out`` is left as it was, ``last_call_skipped``
+        is True and ``skipped_calls`` counts it. Ranks whose input was finite had already
+        compressed it: their worker error keeps that compression's (finite) residual, since
+        restoring the previous one exactly would cost another buffer of ``numel`` values.
         """
         self._check(tensor)
+        out = tensor if out is None else out
+        if out is not tensor:
+            self._check(out)
         if not async_op:
-            self._run(tensor, None)
-            return tensor
+            self._run(tensor, out, None)
+            return out
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onebit-comm")
             self._owns_executor = True
@@ -174,15 +191,15 @@ class CompressedAllreduce:
 
         def job():
             try:
-                self._run(tensor, event)
-                future.set_result(tensor)
+                self._run(tensor, out, event)
+                future.set_result(out)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
                 future.set_exception(exc)
 
         self._executor.submit(job)
         return future
 
-    def _run(self, tensor: torch.Tensor, ready: torch.cuda.Event | None) -> None:
+    def _run(self, tensor: torch.Tensor, out: torch.Tensor, ready) -> None:
         with self._lock:
             if ready is not None:
                 # One side stream per object, ordered after the producer through the event.
@@ -191,17 +208,22 @@ class CompressedAllreduce:
                 stream = self._stream
                 with torch.cuda.stream(stream):
                     stream.wait_event(ready)
-                    self._reduce(tensor)
+                    self._reduce(tensor, out)
                 stream.synchronize()
             else:
-                self._reduce(tensor)
+                self._reduce(tensor, out)
 
-    def _reduce(self, tensor: torch.Tensor) -> None:
+    def _reduce(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
         lay, world = self.layout, self.world_size
         buf = self._scratch
-        worker_compress(
-            tensor, self.worker_error, self.mask, lay, self._send_packed, self._send_scales, buf
-        )
+        if bool(torch.isfinite(tensor).all()):
+            worker_compress(
+                tensor, self.worker_error, self.mask, lay, self._send_packed, self._send_scales,
+                buf,
+            )
+        else:  # tell every server, and through them every rank, without touching the error
+            self._send_packed.zero_()
+            self._send_scales.fill_(float("nan"))
         if world > 1:
             works = [
                 dist.all_to_all_single(
@@ -221,10 +243,14 @@ class CompressedAllreduce:
             self._recv_packed.view(-1).copy_(self._send_packed)
             self._recv_scales.view(-1).copy_(self._send_scales)
             sent = 0
-        server_compress(
-            self._recv_packed, self._recv_scales, self.server_error, self._chunk_mask, lay,
-            self._own_packed, self._own_scales, buf,
-        )
+        if bool(torch.isfinite(self._recv_scales).all()):
+            server_compress(
+                self._recv_packed, self._recv_scales, self.server_error, self._chunk_mask, lay,
+                self._own_packed, self._own_scales, buf,
+            )
+        else:
+            self._own_packed.zero_()
+            self._own_scales.fill_(float("nan"))
         if world > 1:
             works = [
                 _all_gather(self._all_packed, self._own_packed, group=self.group, async_op=True),
@@ -237,7 +263,12 @@ class CompressedAllreduce:
         else:
             self._all_packed.copy_(self._own_packed)
             self._all_scales.copy_(self._own_scales)
-        decompress(self._all_packed, self._all_scales, self.mask, lay, tensor, buf)
+        # Every rank holds the same gathered scales, so every rank takes the same decision.
+        self.last_call_skipped = not bool(torch.isfinite(self._all_scales).all())
+        if self.last_call_skipped:
+            self.skipped_calls += 1
+        else:
+            decompress(self._all_packed, self._all_scales, self.mask, lay, out, buf)
         self.bytes_sent += sent
         self.dense_bytes += lay.dense_wire_bytes(4)
         self.calls += 1

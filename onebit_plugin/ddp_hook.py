@@ -53,7 +53,10 @@ class _MomentumGroup:
     run (other chunks, other block scales) and leave the saved error buffers without a home.
     """
 
-    __slots__ = ("index", "params", "momentum", "offsets", "comm", "remaining", "pending")
+    __slots__ = (
+        "index", "params", "momentum", "local", "offsets", "comm", "remaining", "pending",
+        "skipped",
+    )
 
     def __init__(self, index: int, params: list, state: "OneBitHookState"):
         opt = state.optimizer
@@ -73,6 +76,10 @@ class _MomentumGroup:
             self.offsets[p] = offset
             offset += p.numel()
         self.momentum.masked_fill_(keep.logical_not(), 0.0)
+        # Gradients are folded into this copy; the average lands in momentum only if no rank
+        # had a non-finite gradient (else the step of these parameters is skipped everywhere).
+        self.local = torch.empty_like(self.momentum)
+        self.skipped = state.optimizer._skipped_by_hook
         self.comm = CompressedAllreduce(
             numel, state.comm_group, max_block=opt.max_block, scale=opt.scale, mask=keep,
             device=device, executor=state.executor,
@@ -81,9 +88,10 @@ class _MomentumGroup:
         self.remaining = len(params)
         self.pending: torch.futures.Future | None = None
 
-    def view(self, p: torch.Tensor) -> torch.Tensor:
+    def view(self, p: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.Tensor:
         start = self.offsets[p]
-        return self.momentum[start : start + p.numel()].view_as(p)
+        buffer = self.momentum if buffer is None else buffer
+        return buffer[start : start + p.numel()].view_as(p)
 
     def arrived(self) -> torch.futures.Future:
         """One more of this group's gradients was folded; once all have, start the compressed
@@ -98,11 +106,13 @@ class _MomentumGroup:
             def done(fut: torch.futures.Future) -> None:
                 try:
                     fut.value()
+                    if self.comm.last_call_skipped:  # read before the next call can start
+                        self.skipped.update(self.params)
                     pending.set_result(None)
                 except BaseException as exc:  # noqa: BLE001 - raised where DDP waits
                     pending.set_exception(exc)
 
-            self.comm(self.momentum, async_op=True).add_done_callback(done)
+            self.comm(self.local, async_op=True, out=self.momentum).add_done_callback(done)
         return pending
 
 
@@ -229,7 +239,7 @@ def onebit_hook(
         momentum = group.view(p)
         _fold_gradient_(
             momentum, grad, p, beta1=hyper["betas"][0], weight_decay=hyper["weight_decay"],
-            decoupled=hyper["decoupled_weight_decay"],
+            decoupled=hyper["decoupled_weight_decay"], out=group.view(p, group.local),
         )
         parts.append((grad, momentum))
         pending = group.arrived()

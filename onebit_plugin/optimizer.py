@@ -75,16 +75,18 @@ def _fold_gradient_(
     beta1: float,
     weight_decay: float,
     decoupled: bool,
+    out: torch.Tensor,
 ) -> None:
-    """``m = b1 * m + (1 - b1) * g`` with a *local* gradient (coupled weight decay folded in).
-    A missing gradient counts as zero: every rank must still send its momentum."""
+    """``out = b1 * m + (1 - b1) * g`` with a *local* gradient (coupled weight decay folded in);
+    ``m`` itself is left alone until the average comes back. A missing gradient counts as zero:
+    every rank must still send its momentum."""
     if grad is None:
-        exp_avg.mul_(beta1)
+        torch.mul(exp_avg, beta1, out=out)
         return
     grad = grad if grad.dtype == torch.float32 else grad.float()
     if weight_decay != 0 and not decoupled:
         grad = grad.add(param, alpha=weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
+    torch.lerp(exp_avg, grad, 1 - beta1, out=out)
 
 
 def _frozen_update_(
@@ -227,6 +229,9 @@ class OneBitAdam(Optimizer):
         self._retired_sent = 0
         self._retired_dense = 0
         self.state_version = 0  # bumped by load_state_dict: hooks rebuild their views
+        self.skipped_steps = 0  # steps skipped on every rank for a non-finite gradient
+        self._skipped_by_hook: set = set()  # filled by the comm hook during backward
+        self._local_momentum: torch.Tensor | None = None
 
     # ----------------------------------------------------------------------------- properties
     @property
@@ -350,6 +355,11 @@ class OneBitAdam(Optimizer):
                 )
 
     def _warmup_step(self) -> None:
+        # After averaging every rank holds the same gradients, hence the same decision.
+        grads = [p.grad for p in self._trainable() if p.grad is not None]
+        if not all(bool(torch.isfinite(g).all()) for g in grads):
+            self.skipped_steps += 1
+            return
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -438,6 +448,8 @@ class OneBitAdam(Optimizer):
         self._masked_coords = keep.logical_not().nonzero().view(-1)
         flat.index_fill_(0, self._masked_coords, 0.0)
         self._flat_momentum = flat
+        # The folded local momentum goes here, so that a skipped step leaves exp_avg untouched.
+        self._local_momentum = torch.empty_like(flat)
         self.comm = CompressedAllreduce(
             total, self.process_group, max_block=self.max_block, scale=self.scale, mask=keep,
             device=device,
@@ -447,14 +459,24 @@ class OneBitAdam(Optimizer):
         if self.momentum_from_hook:
             # The hook averaged the momentum during backward; p.grad carries it, possibly
             # clipped since (by the same global norm on every rank, so still identical).
+            skipped = self._skipped_by_hook
             for p in self._trainable():
-                if p.grad is not None:
+                if p.grad is not None and p not in skipped:
                     self.state[p]["exp_avg"].copy_(p.grad)
+            if skipped:
+                self.skipped_steps += 1
+            self._apply_frozen_updates(skip=skipped)
+            skipped.clear()
+            return
+        if self._fold_and_average():
+            self._apply_frozen_updates()
         else:
-            self._fold_and_average()
-        self._apply_frozen_updates()
+            self.skipped_steps += 1
 
-    def _fold_and_average(self) -> None:
+    def _fold_and_average(self) -> bool:
+        """Fold the local gradients into a copy of the momentum, average it into exp_avg.
+        False (exp_avg untouched) when some rank's gradient was not finite."""
+        local, offset = self._local_momentum, 0
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad:
@@ -462,22 +484,28 @@ class OneBitAdam(Optimizer):
                         self.state[p]["exp_avg"], p.grad, p, beta1=group["betas"][0],
                         weight_decay=group["weight_decay"],
                         decoupled=group["decoupled_weight_decay"],
+                        out=local[offset : offset + p.numel()].view_as(p),
                     )
+                    offset += p.numel()
         world = self.world_size
         if world > 1 and self.compress_momentum:
-            self.comm(self._flat_momentum)
-        else:
-            if world > 1:
-                dist.all_reduce(self._flat_momentum, group=self.process_group)
-                self._flat_momentum.div_(world)
-                self.count_uncompressed(self._flat_momentum.nbytes)
-            self._flat_momentum.index_fill_(0, self._masked_coords, 0.0)
+            self.comm(local, out=self._flat_momentum)
+            return not self.comm.last_call_skipped
+        if world > 1:
+            dist.all_reduce(local, group=self.process_group)
+            local.div_(world)
+            self.count_uncompressed(local.nbytes)
+        if not bool(torch.isfinite(local).all()):  # the same on every rank after the allreduce
+            return False
+        local.index_fill_(0, self._masked_coords, 0.0)
+        self._flat_momentum.copy_(local)
+        return True
 
-    def _apply_frozen_updates(self) -> None:
+    def _apply_frozen_updates(self, skip: set | frozenset = frozenset()) -> None:
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
-                if not p.requires_grad:
+                if not p.requires_grad or p in skip:
                     continue
                 state = self.state[p]
                 state["step"] += 1

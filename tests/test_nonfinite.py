@@ -1,0 +1,89 @@
+"""A non-finite gradient on one rank: every rank skips that step, nothing is poisoned."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from onebit_plugin import CompressedAllreduce, OneBitAdam, check_lockstep, register_onebit_hook
+from tests.dist_helpers import assert_ranks_identical, run_ranks
+
+
+def _allreduce_worker(rank, world):
+    state = CompressedAllreduce(1001, max_block=64)
+    gen = torch.Generator().manual_seed(rank)
+    skipped = []
+    outputs = []
+    for call in range(6):
+        x = torch.randn(1001, generator=gen)
+        if call == 3 and rank == 1:
+            x[17] = math.inf
+        errors = (state.worker_error.clone(), state.server_error.clone())
+        out = torch.full((1001,), 7.0)
+        state(x, out=out)
+        skipped.append(state.last_call_skipped)
+        if state.last_call_skipped:
+            assert torch.equal(out, torch.full((1001,), 7.0))
+            assert torch.equal(state.server_error, errors[1])
+            if rank == 1:  # the rank with the bad input did not touch its error
+                assert torch.equal(state.worker_error, errors[0])
+        outputs.append(out)
+    assert torch.isfinite(state.worker_error).all() and torch.isfinite(state.server_error).all()
+    return skipped, outputs, state.skipped_calls
+
+
+def test_compressed_allreduce_skips_everywhere_without_poisoning():
+    results = run_ranks(_allreduce_worker, 3)
+    assert_ranks_identical([r[1] for r in results], "outputs")
+    for skipped, _, count in results:
+        assert skipped == [False, False, False, True, False, False] and count == 1
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _training_worker(rank, world, use_hook, bad_step):
+    model = _model()
+    opt_model = model
+    if use_hook:
+        model = DDP(model, bucket_cap_mb=0.001)
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=3)
+    if use_hook:
+        register_onebit_hook(model, opt)
+    del opt_model
+    before = after = None
+    for step in range(8):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        if step == bad_step and rank == 1:
+            loss = loss * math.nan
+        loss.backward()
+        if step == bad_step:
+            before = [p.detach().clone() for p in model.parameters()]
+            momenta = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+        opt.step()
+        if step == bad_step:
+            after = [p.detach().clone() for p in model.parameters()]
+            unchanged_momenta = all(
+                torch.equal(m, opt.state[p]["exp_avg"])
+                for m, p in zip(momenta, model.parameters(), strict=True)
+            )
+        check_lockstep(model.parameters(), opt)
+    finite = all(torch.isfinite(p).all() for p in model.parameters())
+    return before, after, unchanged_momenta, opt.skipped_steps, finite
+
+
+@pytest.mark.parametrize("use_hook", [False, True], ids=["optimizer-side", "ddp-hook"])
+@pytest.mark.parametrize("bad_step", [1, 5], ids=["warm-up", "compression"])
+def test_nonfinite_gradient_on_one_rank_skips_the_step_on_all(use_hook, bad_step):
+    for before, after, unchanged_momenta, skipped, finite in run_ranks(
+        _training_worker, 2, use_hook, bad_step
+    ):
+        for a, b in zip(before, after, strict=True):
+            assert torch.equal(a, b)  # the step was skipped
+        assert unchanged_momenta and skipped == 1 and finite
