@@ -19,7 +19,8 @@ Settings, all read from the environment when ``prepare()`` runs:
 * ``ONEBIT_FREEZE_STEP``: warm-up optimizer steps, required when on;
 * ``ONEBIT_MAX_BLOCK`` (default 2048), ``ONEBIT_SCALE`` (``rms``/``mean``),
   ``ONEBIT_OVERLAP`` (default 1; 0 compresses in ``optimizer.step()`` instead of inside
-  backward).
+  backward), ``ONEBIT_TIMEOUT`` (seconds a compressed allreduce may take before the step
+  raises ``CommunicationError``).
 
 Accelerate's YAML config rejects unknown keys and its ``kwargs_handlers`` reject unknown handler
 classes, which is why this is an environment flag read at ``prepare()``.
@@ -79,6 +80,7 @@ class OneBitSettings:
     max_block: int = 2048
     scale: str = "rms"
     overlap: bool = True
+    timeout: float | None = None
 
     @classmethod
     def from_env(cls) -> OneBitSettings | None:
@@ -90,6 +92,8 @@ class OneBitSettings:
             max_block=_int("ONEBIT_MAX_BLOCK", 2048),
             scale=os.environ.get("ONEBIT_SCALE", "rms"),
             overlap=_flag("ONEBIT_OVERLAP", "1"),
+            timeout=float(os.environ["ONEBIT_TIMEOUT"]) if os.environ.get("ONEBIT_TIMEOUT")
+            else None,
         )
 
 
@@ -115,6 +119,7 @@ def to_onebit_adam(optimizer: torch.optim.Optimizer, settings: OneBitSettings) -
         optimizer.param_groups, lr=first["lr"], betas=first["betas"], eps=first["eps"],
         weight_decay=first["weight_decay"], freeze_step=settings.freeze_step,
         decoupled_weight_decay=decoupled, max_block=settings.max_block, scale=settings.scale,
+        comm_timeout=settings.timeout,
     )
 
 

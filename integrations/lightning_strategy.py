@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 
 from onebit_plugin.ddp_hook import register_onebit_hook
 from onebit_plugin.optimizer import OneBitAdam
@@ -42,6 +43,9 @@ def make_strategy_class(pl, callback_cls):
                 warm-up averaging but compresses in ``optimizer.step()`` (one flat buffer).
             add_callback: add ``OneBitAdamCallback`` unless the trainer already has one.
             record_timeline: keep per-bucket timings in ``hook_state.timeline``.
+            comm_timeout: seconds a compressed allreduce may take before the step raises
+                ``CommunicationError`` (a peer died, hung or lost its link); default: the
+                optimizer's ``comm_timeout``, else the process group's ``timeout``.
             **kwargs: everything ``DDPStrategy`` takes (``find_unused_parameters``,
                 ``bucket_cap_mb``, ``timeout``, ``start_method``, ...). ``ddp_comm_hook``,
                 ``ddp_comm_state`` and ``ddp_comm_wrapper`` are taken by the 1-bit hook.
@@ -60,7 +64,8 @@ def make_strategy_class(pl, callback_cls):
         strategy_name = "onebit_adam"
 
         def __init__(self, overlap: bool = True, add_callback: bool = True,
-                     record_timeline: bool = False, **kwargs):
+                     record_timeline: bool = False, comm_timeout: float | None = None,
+                     **kwargs):
             for taken in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"):
                 if kwargs.get(taken) is not None:
                     raise ValueError(
@@ -71,6 +76,7 @@ def make_strategy_class(pl, callback_cls):
             self.overlap = overlap
             self.add_callback = add_callback
             self.record_timeline = record_timeline
+            self.comm_timeout = comm_timeout
             self.hook_state = None
 
         @override
@@ -106,6 +112,8 @@ def make_strategy_class(pl, callback_cls):
                     "`return OneBitAdam(self.parameters(), lr=1e-3, freeze_step=1000)`; "
                     f"got {got}"
                 )
+            if self.comm_timeout is not None:
+                optimizers[0].comm_timeout = timedelta(seconds=self.comm_timeout)
             self.hook_state = register_onebit_hook(
                 self.model, optimizers[0], overlap=self.overlap,
                 record_timeline=self.record_timeline,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -31,11 +32,35 @@ from onebit_plugin.compression import (
     worker_compress,
 )
 
-__all__ = ["CompressedAllreduce", "compressed_allreduce"]
+__all__ = ["CommunicationError", "CompressedAllreduce", "compressed_allreduce"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Newer torch (2.13 here) deprecates all_gather_into_tensor for all_gather_single, same call.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class CommunicationError(RuntimeError):
+    """A collective of the compressed allreduce failed or timed out: a peer rank stopped,
+    hung or lost its network."""
+
+
+def wait_collectives(works: list, timeout: timedelta | None, what: str, group=None) -> None:
+    """Wait for collectives, turning a failure or a timeout into a CommunicationError that
+    says which rank saw it and what to do."""
+    try:
+        for work in works:
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout)
+    except RuntimeError as exc:
+        world, rank = _group_size_and_rank(group)
+        limit = "" if timeout is None else f" (timeout {timeout.total_seconds():g} s)"
+        raise CommunicationError(
+            f"onebit: {what} failed on rank {rank} of {world}{limit}: {exc}. A peer rank has "
+            "probably stopped, hung or lost its network; the step cannot complete. Resume "
+            "from the last checkpoint."
+        ) from exc
 
 
 def _group_size_and_rank(group) -> tuple[int, int]:
@@ -67,6 +92,9 @@ class CompressedAllreduce:
         executor: single-worker executor that runs asynchronous calls; several objects that
             share a process group must share one, so that their collectives keep one order
             (the DDP hook passes one for all buckets). Default: a private one.
+        timeout: seconds (or a timedelta) each collective may take before the call raises
+            :class:`CommunicationError`, instead of waiting for the process group's own timeout
+            (30 minutes by default for gloo) when a peer rank hangs or its link is cut.
 
     Attributes:
         bytes_sent: bytes this rank passed to the collectives, summed over calls (bits and scales;
@@ -87,8 +115,12 @@ class CompressedAllreduce:
         mask: torch.Tensor | None = None,
         device: torch.device | str | None = None,
         executor: ThreadPoolExecutor | None = None,
+        timeout: float | timedelta | None = None,
     ):
         self.group = group
+        if isinstance(timeout, int | float):
+            timeout = timedelta(seconds=timeout)
+        self.timeout = timeout
         self.world_size, self.rank = _group_size_and_rank(group)
         self.max_block = max_block
         self.layout = ChunkLayout.create(numel, self.world_size, max_block, scale)
@@ -235,8 +267,7 @@ class CompressedAllreduce:
                     async_op=True,
                 ),
             ]
-            for work in works:
-                work.wait()
+            self._wait(works, "all-to-all")
             # An all-to-all keeps 1/W of its input at home and sends the rest.
             sent = (self._send_packed.nbytes + self._send_scales.nbytes) * (world - 1) // world
         else:
@@ -256,8 +287,7 @@ class CompressedAllreduce:
                 _all_gather(self._all_packed, self._own_packed, group=self.group, async_op=True),
                 _all_gather(self._all_scales, self._own_scales, group=self.group, async_op=True),
             ]
-            for work in works:
-                work.wait()
+            self._wait(works, "all-gather")
             # An all-gather delivers this rank's chunk to each of the W-1 others.
             sent += (self._own_packed.nbytes + self._own_scales.nbytes) * (world - 1)
         else:
@@ -272,6 +302,9 @@ class CompressedAllreduce:
         self.bytes_sent += sent
         self.dense_bytes += lay.dense_wire_bytes(4)
         self.calls += 1
+
+    def _wait(self, works: list, what: str) -> None:
+        wait_collectives(works, self.timeout, f"the compressed allreduce's {what}", self.group)
 
     def close(self) -> None:
         """Stop the background thread of asynchronous calls (after the pending ones finish)."""
@@ -320,6 +353,7 @@ class CompressedAllreduce:
         state["group"] = None
         state["_executor"] = None
         state["_stream"] = None
+        state["timeout"] = self.timeout
         state["_lock"] = None
         return state
 

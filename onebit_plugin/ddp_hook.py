@@ -82,7 +82,7 @@ class _MomentumGroup:
         self.skipped = state.optimizer._skipped_by_hook
         self.comm = CompressedAllreduce(
             numel, state.comm_group, max_block=opt.max_block, scale=opt.scale, mask=keep,
-            device=device, executor=state.executor,
+            device=device, executor=state.executor, timeout=opt.comm_timeout,
         )
         opt.attach_comm(index, self.comm)  # loads this group's saved errors, if any
         self.remaining = len(params)
@@ -167,7 +167,10 @@ class OneBitHookState:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
-        self.comm_group = dist.new_group(ranks=ranks) if overlap else process_group
+        timeout = optimizer.comm_timeout
+        self.comm_group = (
+            dist.new_group(ranks=ranks, timeout=timeout) if overlap else process_group
+        )
         self.executor = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="onebit-hook") if overlap
             else None

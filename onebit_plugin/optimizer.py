@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from onebit_plugin.allreduce import CompressedAllreduce
+from onebit_plugin.allreduce import CompressedAllreduce, wait_collectives
 from onebit_plugin.compression import SCALE_RULES
 
 __all__ = ["OneBitAdam"]
@@ -148,6 +149,9 @@ class OneBitAdam(Optimizer):
         compress_momentum: False averages the momentum with an exact fp32 allreduce in the
             compression stage: frozen-variance Adam without compression, the ablation that
             separates the cost of freezing the variance from the cost of the 1-bit exchange.
+        comm_timeout: seconds any of OneBitAdam's own collectives may take before ``step()``
+            raises ``CommunicationError`` (a peer rank died, hung or lost its link). Default:
+            the process group's timeout (30 minutes for gloo).
 
     Attributes (for callbacks and logs): ``stage`` (``"warmup"`` or ``"compression"``),
     ``global_step`` (completed steps), ``switch_step`` (the step after which compression
@@ -173,6 +177,7 @@ class OneBitAdam(Optimizer):
         process_group: dist.ProcessGroup | None = None,
         average_grads: bool = True,
         compress_momentum: bool = True,
+        comm_timeout: float | None = None,
     ):
         _check_hparams(lr, betas, eps, weight_decay)
         if freeze_step is None:
@@ -200,6 +205,9 @@ class OneBitAdam(Optimizer):
         self.process_group = process_group
         self.average_grads = average_grads
         self.compress_momentum = compress_momentum
+        if comm_timeout is not None and not comm_timeout > 0:
+            raise ValueError(f"comm_timeout must be > 0 seconds, got {comm_timeout!r}")
+        self.comm_timeout = None if comm_timeout is None else timedelta(seconds=comm_timeout)
         self._masks = {}
         for p, m in (masks or {}).items():
             if m.shape != p.shape:
@@ -345,7 +353,8 @@ class OneBitAdam(Optimizer):
             local = local.to(params[0].device)
         world = self.world_size
         gathered = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(gathered, local, group=self.process_group)
+        work = dist.all_gather(gathered, local, group=self.process_group, async_op=True)
+        wait_collectives([work], self.comm_timeout, "the settings check", self.process_group)
         for i, name in enumerate(config):
             values = [int(g[i]) for g in gathered]
             if len(set(values)) > 1:
@@ -403,7 +412,9 @@ class OneBitAdam(Optimizer):
                 view.copy_(p.grad.reshape(-1))
                 present[i] = 1.0
             offset += p.numel()
-        dist.all_reduce(flat, group=self.process_group)
+        work = dist.all_reduce(flat, group=self.process_group, async_op=True)
+        wait_collectives([work], self.comm_timeout, "the warm-up gradient allreduce",
+                         self.process_group)
         world = self.world_size
         flat[:total].div_(world)
         self._uncompressed_sent += _ring_bytes(flat.nbytes, world)
@@ -452,7 +463,7 @@ class OneBitAdam(Optimizer):
         self._local_momentum = torch.empty_like(flat)
         self.comm = CompressedAllreduce(
             total, self.process_group, max_block=self.max_block, scale=self.scale, mask=keep,
-            device=device,
+            device=device, timeout=self.comm_timeout,
         )
 
     def _compression_step(self) -> None:
@@ -492,7 +503,9 @@ class OneBitAdam(Optimizer):
             self.comm(local, out=self._flat_momentum)
             return not self.comm.last_call_skipped
         if world > 1:
-            dist.all_reduce(local, group=self.process_group)
+            work = dist.all_reduce(local, group=self.process_group, async_op=True)
+            wait_collectives([work], self.comm_timeout, "the momentum allreduce",
+                             self.process_group)
             local.div_(world)
             self.count_uncompressed(local.nbytes)
         if not bool(torch.isfinite(local).all()):  # the same on every rank after the allreduce

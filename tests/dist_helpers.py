@@ -36,10 +36,12 @@ def _worker(fn, rank, world_size, port, queue, args):
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 180.0) -> list:
+def run_ranks(fn, world_size: int, *args, timeout: float = 180.0,
+              allow_missing: bool = False) -> list:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results
     in rank order. Fork start keeps each launch well under a second; a rank that raises fails
-    the caller with that rank's traceback."""
+    the caller with that rank's traceback. With ``allow_missing`` a rank that exits without a
+    result (a fault test killing it) yields None instead of failing."""
     ctx = mp.get_context("fork")
     queue = ctx.SimpleQueue()
     port = _free_port()
@@ -71,11 +73,11 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180.0) -> list:
             p.kill()
     if errors:
         raise RuntimeError("\n".join(errors))
-    if len(results) != world_size:
+    if len(results) != world_size and not allow_missing:
         raise RuntimeError(
             f"only ranks {sorted(results)} of {world_size} finished within {timeout:.0f} s"
         )
-    return [results[r] for r in range(world_size)]
+    return [results.get(r) for r in range(world_size)]
 
 
 def assert_ranks_identical(per_rank: list, what: str = "tensors") -> None:
