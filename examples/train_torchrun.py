@@ -42,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--exact-momentum", action="store_true",
                    help="ablation: freeze the variance but average the momentum exactly")
     p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--comm-timeout", type=float, default=None,
+                   help="seconds a collective may take before the step raises")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the summary to this file (rank 0)")
     return p.parse_args(argv)
@@ -66,7 +68,7 @@ def main(argv=None) -> dict:
         model.parameters(), lr=args.lr,
         freeze_step=10**12 if args.baseline else args.freeze_step,
         max_block=args.max_block, scale=args.scale, mask_zero_variance=not args.no_mask,
-        compress_momentum=not args.exact_momentum,
+        compress_momentum=not args.exact_momentum, comm_timeout=args.comm_timeout,
     )
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
     name = "Adam" if args.baseline else "OneBitAdam"
@@ -86,7 +88,7 @@ def main(argv=None) -> dict:
         step_times[stage].append(time.perf_counter() - start)
         if opt.switch_step == step:
             say(f"step {step}: variance frozen, compression stage starts "
-                f"(momentum now sent as 1-bit signs)")
+                f"(momentum now sent as 1-bit signs)", flush=True)
         if step % args.eval_every == 0 or step == args.steps:
             val_loss = evaluate(model, val.to(device), args.context)
             history.append((step, loss.item(), val_loss))
