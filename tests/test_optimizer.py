@@ -330,3 +330,21 @@ def test_resume_in_compression_stage_across_ranks(tmp_path):
     for uninterrupted, resumed in results:
         for a, b in zip(uninterrupted, resumed, strict=True):
             assert torch.equal(a, b)
+
+
+def _state_worker(rank, world):
+    model = _model()
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    for step in range(4):
+        opt.zero_grad()
+        _loss(model, _batch(step + 10 * rank)).backward()
+        opt.step()
+    return opt.state_dict()
+
+
+def test_resuming_with_another_world_size_is_a_clear_error():
+    saved = run_ranks(_state_worker, 2)[0]
+    opt = OneBitAdam(_model().parameters(), lr=1e-2, freeze_step=2)
+    with pytest.raises(ValueError, match="saved in the compression stage by 2 ranks and is "
+                                         "loaded by 1"):
+        opt.load_state_dict(saved)
