@@ -160,11 +160,6 @@ class OneBitAdam(Optimizer):
     the gradients would have sent over the same steps), ``compression_ratio``.
     """
 
-    # torch.amp.GradScaler then always calls step() (setting found_inf/grad_scale on it) instead
-    # of silently skipping step() on the ranks whose *local* gradients overflowed -- which would
-    # leave the other ranks waiting in a collective. step() turns that into a clear error.
-    _step_supports_amp_scaling = True
-
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict],
@@ -320,14 +315,6 @@ class OneBitAdam(Optimizer):
     # ----------------------------------------------------------------------------------- step
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
-        if hasattr(self, "found_inf") or hasattr(self, "grad_scale"):
-            raise ValueError(
-                "OneBitAdam does not support torch.amp.GradScaler (fp16 loss scaling): each "
-                "rank's overflow check sees only its local gradients, and in the compression "
-                "stage the scaled gradients are folded into the momentum during backward. Use "
-                "bf16 autocast (precision='bf16-mixed', mixed_precision='bf16'), which needs no "
-                "scaler; OneBitAdam itself skips steps with non-finite gradients on all ranks."
-            )
         loss = None
         if closure is not None:
             with torch.enable_grad():

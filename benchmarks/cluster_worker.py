@@ -1,0 +1,209 @@
+"""One rank of a cluster benchmark run (started by benchmarks/cluster.py through torchrun).
+
+Trains examples/charlm.py's GPT with one configuration and writes, on rank 0, a JSON record:
+per-stage mean step time, bytes this host put on its network interface per step (read from the
+kernel's counters: what really crossed the link, headers included), validation loss against
+wall-clock time, and the calibration figures C (compute-only step) and M (one fp32 allreduce of
+all gradients over this network).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+from charlm import CharGPT, evaluate, load_corpus, loss_fn, sample_batch  # noqa: E402
+
+from onebit_plugin import OneBitAdam, register_onebit_hook  # noqa: E402
+
+CONFIGS = ("adam", "fp16", "powersgd1", "powersgd4", "onebit_hook", "onebit_plain",
+           "onebit_lightning")
+
+
+def tx_bytes(iface: str) -> int:
+    return int(Path(f"/sys/class/net/{iface}/statistics/tx_bytes").read_text())
+
+
+def parse_args():
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", choices=CONFIGS, required=True)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--freeze-step", type=int, default=30)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--iface", default="lo")
+    p.add_argument("--out", required=True)
+    return p.parse_args()
+
+
+class Recorder:
+    """Step times and interface bytes per stage, validation loss against training time."""
+
+    def __init__(self, iface: str, val: torch.Tensor, context: int):
+        self.iface, self.val, self.context = iface, val, context
+        self.times: dict[str, list[float]] = {}
+        self.bytes: dict[str, int] = {}
+        self.steps: dict[str, int] = {}
+        self.curve: list[tuple[int, float, float]] = []
+        self.train_time = 0.0
+
+    def step(self, stage: str, seconds: float, sent: int) -> None:
+        self.times.setdefault(stage, []).append(seconds)
+        self.bytes[stage] = self.bytes.get(stage, 0) + sent
+        self.steps[stage] = self.steps.get(stage, 0) + 1
+        self.train_time += seconds
+
+    def evaluate(self, model, step: int) -> None:
+        self.curve.append((step, self.train_time, evaluate(model, self.val, self.context)))
+
+    def summary(self) -> dict:
+        return {
+            "mean_step_s": {k: sum(v) / len(v) for k, v in self.times.items()},
+            "bytes_per_step": {k: self.bytes[k] / self.steps[k] for k in self.bytes},
+            "total_bytes": sum(self.bytes.values()),
+            "curve": self.curve,
+            "train_time_s": self.train_time,
+        }
+
+
+def calibrate(model, train, args, gen) -> tuple[float, float]:
+    """C: a compute-only step (forward, backward, Adam) on a copy; M: one fp32 allreduce of
+    as many values as the model has, over this network."""
+    local = copy.deepcopy(model)
+    opt = torch.optim.Adam(local.parameters(), lr=args.lr)
+    times = []
+    for i in range(6):
+        x, y = sample_batch(train, args.batch, args.context, gen)
+        start = time.perf_counter()
+        opt.zero_grad()
+        loss_fn(local, x, y).backward()
+        opt.step()
+        if i:
+            times.append(time.perf_counter() - start)
+    n = sum(p.numel() for p in model.parameters())
+    flat = torch.zeros(n)
+    dist.all_reduce(flat)
+    comm = []
+    for _ in range(3):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(flat)
+        comm.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2], sorted(comm)[1]
+
+
+def run_plain(args, model, train, rec) -> str:
+    rank = dist.get_rank()
+    cfg = args.config
+    net = model if cfg == "onebit_plain" else DDP(model)
+    if cfg.startswith("onebit"):
+        opt = OneBitAdam(net.parameters(), lr=args.lr, freeze_step=args.freeze_step)
+        if cfg == "onebit_hook":
+            register_onebit_hook(net, opt)
+    else:
+        opt = torch.optim.Adam(net.parameters(), lr=args.lr)
+    if cfg == "fp16":
+        net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    if cfg.startswith("powersgd"):
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=int(cfg[-1]),
+            start_powerSGD_iter=args.freeze_step, warm_start=True)
+        net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    for step in range(1, args.steps + 1):
+        x, y = sample_batch(train, args.batch, args.context, gen)
+        stage = "warmup" if step <= args.freeze_step else "compression"
+        before = tx_bytes(args.iface)
+        start = time.perf_counter()
+        opt.zero_grad()
+        loss_fn(net, x, y).backward()
+        opt.step()
+        rec.step(stage, time.perf_counter() - start, tx_bytes(args.iface) - before)
+        if step % args.eval_every == 0 or step == args.steps:
+            rec.evaluate(model, step)
+    return type(opt).__name__
+
+
+def run_lightning(args, model, train, rec) -> str:
+    import pytorch_lightning as pl
+
+    class Module(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.gen = torch.Generator().manual_seed(1000 + dist.get_rank())
+
+        def training_step(self, batch, batch_idx):
+            x, y = sample_batch(train, args.batch, args.context, self.gen)
+            return loss_fn(self.model, x, y)
+
+        def configure_optimizers(self):
+            return OneBitAdam(self.parameters(), lr=args.lr, freeze_step=args.freeze_step)
+
+    class Timer(pl.Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            self.before, self.start = tx_bytes(args.iface), time.perf_counter()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            step = trainer.global_step
+            stage = "warmup" if step <= args.freeze_step else "compression"
+            rec.step(stage, time.perf_counter() - self.start, tx_bytes(args.iface) - self.before)
+            if step % args.eval_every == 0 or step == args.steps:
+                rec.evaluate(model, step)
+
+    loader = torch.utils.data.DataLoader(range(args.steps * 2), batch_size=1)
+    trainer = pl.Trainer(
+        strategy="onebit_adam", accelerator="cpu", devices=1,
+        num_nodes=dist.get_world_size(), max_steps=args.steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[Timer()], use_distributed_sampler=False,
+    )
+    trainer.fit(Module(), loader)
+    return "OneBitAdam (Lightning strategy)"
+
+
+def main() -> None:
+    args = parse_args()
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = CharGPT(dim=args.dim, layers=args.layers, context=args.context)
+    train, val = load_corpus()
+    compute_s, allreduce_s = calibrate(model, train, args, torch.Generator().manual_seed(7))
+    rec = Recorder(args.iface, val, args.context)
+    if args.config == "onebit_lightning":
+        optimizer = run_lightning(args, model, train, rec)
+    else:
+        optimizer = run_plain(args, model, train, rec)
+    if rank == 0:
+        record = {
+            "config": args.config, "optimizer": optimizer, "world_size": world,
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "steps": args.steps, "freeze_step": args.freeze_step,
+            "compute_only_step_s": compute_s, "fp32_allreduce_s": allreduce_s,
+            "final_val_loss": rec.curve[-1][2], "iface": args.iface, "pid": os.getpid(),
+            **rec.summary(),
+        }
+        Path(args.out).write_text(json.dumps(record, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
