@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 NPROC ?= 2
 DEMO_DIR ?= demo_out
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench soak clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,9 +32,18 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q
 
+# Benchmarks (about 20 minutes on 2 cores): kernel throughput, the emulated 4-host 1 Gbit/s
+# cluster (network namespaces: run as root; otherwise loopback, and it says so) for a
+# communication-bound and a compute-bound workload, and the accuracy ablations.
 bench: $(STAMP)
+	$(PY) -m pip install -q -e ".[dev,bench]"
 	$(PY) benchmarks/compression_throughput.py
+	$(PY) benchmarks/cluster.py --workload comm
+	$(PY) benchmarks/cluster.py --workload compute
 	benchmarks/accuracy.sh
+
+soak: $(STAMP)
+	$(VENV)/bin/torchrun --nproc_per_node 2 benchmarks/soak.py --steps 3000
 
 clean:
 	rm -rf $(DEMO_DIR) .pytest_cache build *.egg-info

@@ -28,8 +28,8 @@ from charlm import CharGPT, evaluate, load_corpus, loss_fn, sample_batch  # noqa
 
 from onebit_plugin import OneBitAdam, register_onebit_hook  # noqa: E402
 
-CONFIGS = ("adam", "fp16", "powersgd1", "powersgd4", "onebit_hook", "onebit_plain",
-           "onebit_lightning")
+CONFIGS = ("adam", "fp16", "powersgd1", "powersgd4", "onebit_hook", "onebit_hook_sync",
+           "onebit_plain", "onebit_lightning")
 
 
 def tx_bytes(iface: str) -> int:
@@ -61,6 +61,7 @@ class Recorder:
         self.bytes: dict[str, int] = {}
         self.steps: dict[str, int] = {}
         self.curve: list[tuple[int, float, float]] = []
+        self.phases: dict[str, dict[str, list[float]]] = {}
         self.train_time = 0.0
 
     def step(self, stage: str, seconds: float, sent: int) -> None:
@@ -68,6 +69,9 @@ class Recorder:
         self.bytes[stage] = self.bytes.get(stage, 0) + sent
         self.steps[stage] = self.steps.get(stage, 0) + 1
         self.train_time += seconds
+
+    def phase(self, stage: str, name: str, seconds: float) -> None:
+        self.phases.setdefault(stage, {}).setdefault(name, []).append(seconds)
 
     def evaluate(self, model, step: int) -> None:
         self.curve.append((step, self.train_time, evaluate(model, self.val, self.context)))
@@ -79,6 +83,8 @@ class Recorder:
             "total_bytes": sum(self.bytes.values()),
             "curve": self.curve,
             "train_time_s": self.train_time,
+            "mean_phase_s": {stage: {k: sum(v) / len(v) for k, v in phases.items()}
+                             for stage, phases in self.phases.items()},
         }
 
 
@@ -111,11 +117,19 @@ def calibrate(model, train, args, gen) -> tuple[float, float]:
 def run_plain(args, model, train, rec) -> str:
     rank = dist.get_rank()
     cfg = args.config
-    net = model if cfg == "onebit_plain" else DDP(model)
+    if cfg == "onebit_plain":
+        net = model
+    elif cfg.startswith("powersgd"):
+        # One bucket: with several, torch's PowerSGD hook issues gloo collectives from callback
+        # threads in an order that differs between ranks, and gloo aborts ("Received data size
+        # doesn't match expected size", seen on this cluster).
+        net = DDP(model, bucket_cap_mb=1024)
+    else:
+        net = DDP(model)
     if cfg.startswith("onebit"):
         opt = OneBitAdam(net.parameters(), lr=args.lr, freeze_step=args.freeze_step)
-        if cfg == "onebit_hook":
-            register_onebit_hook(net, opt)
+        if cfg.startswith("onebit_hook"):
+            register_onebit_hook(net, opt, overlap=cfg == "onebit_hook")
     else:
         opt = torch.optim.Adam(net.parameters(), lr=args.lr)
     if cfg == "fp16":
@@ -133,10 +147,15 @@ def run_plain(args, model, train, rec) -> str:
         start = time.perf_counter()
         opt.zero_grad()
         loss_fn(net, x, y).backward()
+        backward_done = time.perf_counter()
         opt.step()
         rec.step(stage, time.perf_counter() - start, tx_bytes(args.iface) - before)
+        rec.phase(stage, "forward_backward", backward_done - start)
+        rec.phase(stage, "optimizer_step", time.perf_counter() - backward_done)
         if step % args.eval_every == 0 or step == args.steps:
             rec.evaluate(model, step)
+    if isinstance(opt, OneBitAdam):
+        rec.comms = opt._all_comms()
     return type(opt).__name__
 
 
@@ -192,6 +211,7 @@ def main() -> None:
         optimizer = run_lightning(args, model, train, rec)
     else:
         optimizer = run_plain(args, model, train, rec)
+    comms = getattr(rec, "comms", [])
     if rank == 0:
         record = {
             "config": args.config, "optimizer": optimizer, "world_size": world,
@@ -199,6 +219,9 @@ def main() -> None:
             "steps": args.steps, "freeze_step": args.freeze_step,
             "compute_only_step_s": compute_s, "fp32_allreduce_s": allreduce_s,
             "final_val_loss": rec.curve[-1][2], "iface": args.iface, "pid": os.getpid(),
+            "compression_calls": sum(c.calls for c in comms),
+            "compression_busy_s": sum(c.busy_seconds for c in comms),
+            "compression_wait_s": sum(c.wait_seconds for c in comms),
             **rec.summary(),
         }
         Path(args.out).write_text(json.dumps(record, indent=1))

@@ -17,6 +17,7 @@ the running average of the outputs tracks the running average of the true means.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -103,6 +104,8 @@ class CompressedAllreduce:
             sent from this rank over the same calls, for the compression ratio.
         calls: completed calls.
         skipped_calls: calls skipped because some rank's input was not finite.
+        wait_seconds, busy_seconds: time spent waiting on the collectives, and the rest of the
+            calls (compression passes, buffer handling), summed over calls.
     """
 
     def __init__(
@@ -151,6 +154,9 @@ class CompressedAllreduce:
         self.calls = 0
         self.skipped_calls = 0
         self.last_call_skipped = False
+        # Where the time goes: waiting on the collectives vs. everything else (compression).
+        self.wait_seconds = 0.0
+        self.busy_seconds = 0.0
         self._executor = executor
         self._owns_executor = executor is None
         self._stream = None
@@ -246,6 +252,11 @@ class CompressedAllreduce:
                 self._reduce(tensor, out)
 
     def _reduce(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
+        started, waited = time.perf_counter(), self.wait_seconds
+        self._reduce_timed(tensor, out)
+        self.busy_seconds += time.perf_counter() - started - (self.wait_seconds - waited)
+
+    def _reduce_timed(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
         lay, world = self.layout, self.world_size
         buf = self._scratch
         if bool(torch.isfinite(tensor).all()):
@@ -304,7 +315,12 @@ class CompressedAllreduce:
         self.calls += 1
 
     def _wait(self, works: list, what: str) -> None:
-        wait_collectives(works, self.timeout, f"the compressed allreduce's {what}", self.group)
+        started = time.perf_counter()
+        try:
+            wait_collectives(works, self.timeout, f"the compressed allreduce's {what}",
+                             self.group)
+        finally:
+            self.wait_seconds += time.perf_counter() - started
 
     def close(self) -> None:
         """Stop the background thread of asynchronous calls (after the pending ones finish)."""

@@ -49,8 +49,9 @@ class Host:
 
 
 @contextlib.contextmanager
-def emulated_hosts(count: int, rate: str | None = None):
-    """Yield ``count`` Hosts on one bridge; ``rate`` (e.g. "1gbit") limits each host's link."""
+def emulated_hosts(count: int, rate: str | None = None, delay: str | None = None):
+    """Yield ``count`` Hosts on one bridge; ``rate`` (e.g. "1gbit") limits each host's outgoing
+    link with tc tbf, ``delay`` (e.g. "1ms") adds netem latency in front of it."""
     tag = uuid.uuid4().hex[:5]
     switch = f"ob{tag}sw"
     made = []
@@ -74,12 +75,16 @@ def emulated_hosts(count: int, rate: str | None = None):
             _ip("-n", netns, "addr", "add", f"{address}/24", "dev", host_end)
             _ip("-n", netns, "link", "set", host_end, "up")
             _ip("-n", netns, "link", "set", "lo", "up")
+            tc = ["ip", "netns", "exec", netns, "tc", "qdisc", "add", "dev", host_end]
+            parent = ["root"]
+            if delay is not None:
+                subprocess.run([*tc, "root", "handle", "1:", "netem", "delay", delay],
+                               check=True, capture_output=True, timeout=30)
+                parent = ["parent", "1:"]
             if rate is not None:
-                subprocess.run(
-                    ["ip", "netns", "exec", netns, "tc", "qdisc", "add", "dev", host_end, "root",
-                     "tbf", "rate", rate, "burst", "256kb", "latency", "50ms"],
-                    check=True, capture_output=True, timeout=30,
-                )
+                subprocess.run([*tc, *parent, "handle", "2:", "tbf", "rate", rate, "burst",
+                                "256kb", "latency", "50ms"],
+                               check=True, capture_output=True, timeout=30)
             hosts.append(Host(netns, host_end, address))
         yield hosts
     finally:

@@ -1,0 +1,231 @@
+"""Side-by-side training on an emulated bandwidth-limited cluster (root: network namespaces).
+
+    sudo .venv/bin/python benchmarks/cluster.py [--hosts 4] [--rate 1gbit] [--workload comm]
+
+Builds N hosts as network namespaces on one bridge, each link limited with ``tc tbf`` (and
+optionally delayed with ``netem``), starts one torchrun node per host (multi-node rendezvous
+over the hosts' addresses) and trains the same GPT, data, seed and steps with each
+configuration in turn:
+
+    adam              DDP + torch.optim.Adam (the baseline)
+    fp16              DDP + fp16_compress_hook + Adam
+    powersgd1/4       DDP + PowerSGD (rank 1 / 4, warm-up of the same length) + Adam
+    onebit_hook       DDP + OneBitAdam's comm hook (what the Lightning strategy registers)
+    onebit_hook_sync  the same with overlap=False (compression in optimizer.step())
+    onebit_lightning  Trainer(strategy="onebit_adam", num_nodes=N)
+    onebit_plain      OneBitAdam on plain torch.distributed, no DDP
+
+Without root (or without ``ip``) it says so and runs all ranks over loopback instead. Results:
+``benchmarks/results/cluster_<workload>.json`` and ``.csv``, a markdown table on stdout, and
+plots ``docs/cluster_<workload>_loss.png`` / ``_bytes.png``. The namespaces are removed
+afterwards, also on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests import netns  # noqa: E402
+
+WORKER = ROOT / "benchmarks" / "cluster_worker.py"
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+ALL = ("adam", "fp16", "powersgd1", "powersgd4", "onebit_hook", "onebit_hook_sync",
+       "onebit_lightning", "onebit_plain")
+# comm: ~6.5M parameters and a small per-rank batch, so that an fp32 allreduce at 1 Gbit/s
+# costs several times the compute; compute: a 137K-parameter model where it does not.
+WORKLOADS = {
+    "comm": ["--dim", "256", "--layers", "8", "--batch", "2", "--context", "32"],
+    "compute": ["--dim", "64", "--layers", "2", "--batch", "16", "--context", "64"],
+}
+
+
+def run_config(config, hosts, args, out: Path) -> dict:
+    common = [str(WORKER), "--config", config, "--steps", str(args.steps),
+              "--freeze-step", str(args.freeze_step), "--eval-every", str(args.eval_every),
+              "--out", str(out), *WORKLOADS[args.workload]]
+    port = str(29600 + ALL.index(config))
+    if hosts is None:
+        cmd = [str(TORCHRUN), "--nproc_per_node", str(args.hosts), "--master_port", port,
+               *common, "--iface", "lo"]
+        procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)]
+    else:
+        procs = []
+        for rank, host in enumerate(hosts):
+            cmd = ["env", f"GLOO_SOCKET_IFNAME={host.ifname}", "OMP_NUM_THREADS=1",
+                   str(TORCHRUN), "--nnodes", str(len(hosts)), "--nproc_per_node", "1",
+                   "--node_rank", str(rank), "--master_addr", hosts[0].address,
+                   "--master_port", port, *common, "--iface", host.ifname]
+            procs.append(subprocess.Popen(host.command(cmd), cwd=ROOT, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=args.timeout)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"{config} failed:\n" + "\n".join(log[-3000:] for log in logs))
+    record = json.loads(out.read_text())
+    if hosts is None:  # loopback carries every rank's traffic: per rank, divide
+        record["bytes_per_step"] = {k: v / args.hosts for k, v in
+                                    record["bytes_per_step"].items()}
+        record["total_bytes"] /= args.hosts
+    return record
+
+
+def time_to_target(curve, target: float) -> float | None:
+    for _, seconds, loss in curve:
+        if loss <= target:
+            return seconds
+    return None
+
+
+def report(records: dict, args, network: str) -> str:
+    base = records["adam"]
+    target = base["final_val_loss"] * 1.01
+    c, m = base["compute_only_step_s"], base["fp32_allreduce_s"]
+    lines = [
+        f"workload `{args.workload}`: {base['parameters']:,} parameters, {args.hosts} hosts, "
+        f"{network}; {args.steps} steps, warm-up {args.freeze_step}; compute-only step "
+        f"C = {c * 1e3:.1f} ms, fp32 allreduce of all gradients M = {m * 1e3:.1f} ms; "
+        f"1-bit bound (C+M)/(C+M/32) = {(c + m) / (c + m / 32):.2f}x; target validation "
+        f"loss {target:.4f} (Adam's final + 1%)",
+        "",
+        "| run | step ms warm-up | step ms compression | speed-up (compression) | "
+        "bytes/step warm-up | bytes/step compression | total bytes vs Adam | "
+        "time to target s | final val loss | vs Adam |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    base_step = sum(base["mean_step_s"].values()) / len(base["mean_step_s"])
+    for name, r in records.items():
+        steps = r["mean_step_s"]
+        warm = steps.get("warmup")
+        comp = steps.get("compression")
+        speed = base_step / comp if comp else None
+        bps = r["bytes_per_step"]
+        ttt = time_to_target(r["curve"], target)
+
+        def fmt(value, spec):
+            return "-" if value is None else format(value, spec)
+
+        lines.append(
+            f"| {name} | {fmt(warm and warm * 1e3, '.0f')} | {fmt(comp and comp * 1e3, '.0f')} "
+            f"| {fmt(speed, '.2f')}x | {fmt(bps.get('warmup'), ',.0f')} | "
+            f"{fmt(bps.get('compression'), ',.0f')} | "
+            f"{base['total_bytes'] / r['total_bytes']:.2f}x less | {fmt(ttt, '.1f')} | "
+            f"{r['final_val_loss']:.4f} | "
+            f"{(r['final_val_loss'] / base['final_val_loss'] - 1) * 100:+.2f}% |"
+        )
+    lines += ["", "Where a compression-stage step goes (rank 0, ms): forward+backward / optimizer "
+              "step / compressed allreduce: compression work, waiting on collectives", ""]
+    for name, r in records.items():
+        phases = r.get("mean_phase_s", {}).get("compression")
+        calls = r.get("compression_calls") or 0
+        if not phases:
+            continue
+        per_call = (f"{r['compression_busy_s'] / calls * 1e3:.1f} / "
+                    f"{r['compression_wait_s'] / calls * 1e3:.1f}") if calls else "-"
+        lines.append(f"- {name}: {phases['forward_backward'] * 1e3:.1f} / "
+                     f"{phases['optimizer_step'] * 1e3:.1f} / {per_call}"
+                     + (f" ({calls / (r['steps'] - r['freeze_step']):.0f} calls per step)"
+                        if calls else ""))
+    return "\n".join(lines)
+
+
+def plot(records: dict, workload: str) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install -e '.[bench]')")
+        return []
+    docs = ROOT / "docs"
+    docs.mkdir(exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, r in records.items():
+        ax.plot([t for _, t, _ in r["curve"]], [loss for _, _, loss in r["curve"]], label=name)
+    ax.set_xlabel("training wall-clock (s)")
+    ax.set_ylabel("validation loss")
+    ax.set_title(f"{workload}: validation loss against training time")
+    ax.legend()
+    loss_path = docs / f"cluster_{workload}_loss.png"
+    fig.tight_layout()
+    fig.savefig(loss_path, dpi=110)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = list(records)
+    for i, stage in enumerate(("warmup", "compression")):
+        values = [records[n]["bytes_per_step"].get(stage, 0) / 2**20 for n in names]
+        ax.bar([x + 0.4 * i for x in range(len(names))], values, width=0.4, label=stage)
+    ax.set_xticks([x + 0.2 for x in range(len(names))], names, rotation=30, ha="right")
+    ax.set_ylabel("MiB sent per host per step (interface counters)")
+    ax.set_yscale("log")
+    ax.set_title(f"{workload}: bytes on the wire per step")
+    ax.legend()
+    bytes_path = docs / f"cluster_{workload}_bytes.png"
+    fig.tight_layout()
+    fig.savefig(bytes_path, dpi=110)
+    return [loss_path, bytes_path]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--rate", default="1gbit", help="tc tbf rate of each host's link")
+    p.add_argument("--delay", default=None, help="netem delay per link, e.g. 1ms")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="comm")
+    p.add_argument("--configs", default=",".join(ALL))
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--freeze-step", type=int, default=25)
+    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--tag", default="", help="suffix of the result and plot file names")
+    args = p.parse_args()
+    configs = args.configs.split(",")
+    if configs[0] != "adam":
+        configs.insert(0, "adam") if "adam" not in configs else None
+    results_dir = ROOT / "benchmarks" / "results"
+    results_dir.mkdir(parents=True, exist_ok=True)
+    reason = netns.available()
+    records = {}
+    started = time.time()
+    if reason is None:
+        network = f"{args.rate} per host link (tc tbf)" + (
+            f", {args.delay} netem delay" if args.delay else "")
+        with netns.emulated_hosts(args.hosts, rate=args.rate, delay=args.delay) as hosts:
+            for config in configs:
+                records[config] = run_config(config, hosts, args,
+                                             results_dir / f"_{args.workload}_{config}.json")
+                print(f"{config}: done after {time.time() - started:.0f} s", flush=True)
+    else:
+        print(f"no emulated cluster ({reason}): all ranks run over loopback, unlimited")
+        network = "loopback (no bandwidth limit: not root)"
+        for config in configs:
+            records[config] = run_config(config, None, args,
+                                         results_dir / f"_{args.workload}_{config}.json")
+    table = report(records, args, network)
+    print(table)
+    out = results_dir / f"cluster_{args.workload}{args.tag}"
+    out.with_suffix(".json").write_text(json.dumps(
+        {"args": vars(args), "network": network, "records": records, "table": table}, indent=1))
+    with open(out.with_suffix(".csv"), "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["run", "stage", "mean_step_s", "bytes_per_step", "final_val_loss"])
+        for name, r in records.items():
+            for stage, seconds in r["mean_step_s"].items():
+                writer.writerow([name, stage, seconds, r["bytes_per_step"][stage],
+                                 r["final_val_loss"]])
+    for path in plot(records, args.workload + args.tag):
+        print(f"wrote {path.relative_to(ROOT)}")
+    for tmp in results_dir.glob(f"_{args.workload}_*.json"):
+        tmp.unlink()
+    print(f"total {time.time() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
