@@ -149,6 +149,7 @@ class OneBitHookState:
         "bucket_cap_bytes",
         "groups",
         "group_of",
+        "hyper_of",
         "groups_version",
         # Diagnostics
         "record_timeline",
@@ -179,6 +180,7 @@ class OneBitHookState:
         self.bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         self.groups: list[_MomentumGroup] = []
         self.group_of: dict[torch.Tensor, _MomentumGroup] = {}
+        self.hyper_of: dict[torch.Tensor, dict] = {}  # parameter -> its optimizer param group
         self.groups_version = -1
         self.record_timeline = record_timeline
         self.timeline: list[tuple[int, float, float]] = []
@@ -198,6 +200,7 @@ class OneBitHookState:
                 size += 4 * p.numel()
             self.groups.append(_MomentumGroup(len(self.groups), current, self))
             self.group_of = {p: g for g in self.groups for p in g.params}
+            self.hyper_of = {p: g for g in opt.param_groups for p in g["params"]}
             self.groups_version = opt.state_version
         return self.group_of
 
@@ -234,11 +237,10 @@ def onebit_hook(
         return done
     started = time.perf_counter()
     group_of = state.momentum_groups()
-    param_group = {p: g for g in opt.param_groups for p in g["params"]}
     waits, parts = [], []
     for p, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
         group = group_of[p]
-        hyper = param_group[p]
+        hyper = state.hyper_of[p]
         momentum = group.view(p)
         _fold_gradient_(
             momentum, grad, p, beta1=hyper["betas"][0], weight_decay=hyper["weight_decay"],
