@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from onebit_plugin.allreduce import CompressedAllreduce, wait_collectives
+from onebit_plugin.allreduce import CompressedAllreduce, all_finite, wait_collectives
 from onebit_plugin.compression import SCALE_RULES
 
 __all__ = ["OneBitAdam"]
@@ -365,8 +365,7 @@ class OneBitAdam(Optimizer):
 
     def _warmup_step(self) -> None:
         # After averaging every rank holds the same gradients, hence the same decision.
-        grads = [p.grad for p in self._trainable() if p.grad is not None]
-        if not all(bool(torch.isfinite(g).all()) for g in grads):
+        if not all_finite([p.grad for p in self._trainable() if p.grad is not None]):
             self.skipped_steps += 1
             return
         for group in self.param_groups:
@@ -508,7 +507,7 @@ class OneBitAdam(Optimizer):
                              self.process_group)
             local.div_(world)
             self.count_uncompressed(local.nbytes)
-        if not bool(torch.isfinite(local).all()):  # the same on every rank after the allreduce
+        if not all_finite([local]):  # the same on every rank after the allreduce
             return False
         local.index_fill_(0, self._masked_coords, 0.0)
         self._flat_momentum.copy_(local)
