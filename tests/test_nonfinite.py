@@ -48,13 +48,11 @@ def _model():
 
 def _training_worker(rank, world, use_hook, bad_step):
     model = _model()
-    opt_model = model
     if use_hook:
         model = DDP(model, bucket_cap_mb=0.001)
     opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=3)
     if use_hook:
         register_onebit_hook(model, opt)
-    del opt_model
     before = after = None
     for step in range(8):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
