@@ -154,8 +154,8 @@ def run_plain(args, model, train, rec) -> str:
         rec.phase(stage, "optimizer_step", time.perf_counter() - backward_done)
         if step % args.eval_every == 0 or step == args.steps:
             rec.evaluate(model, step)
-    if isinstance(opt, OneBitAdam):
-        rec.comms = opt._all_comms()
+    if isinstance(opt, OneBitAdam) and opt.stage == "compression":
+        rec.comms = [opt.communicator]
     return type(opt).__name__
 
 

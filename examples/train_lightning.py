@@ -159,6 +159,7 @@ def main(argv=None) -> None:
     world = trainer.world_size
     # Uncompressed DDP: every step allreduces every gradient in fp32 (ring: 2 (W-1)/W bytes).
     ddp_bytes = round(2 * (world - 1) / world * 4 * n_params) * trainer.global_step
+    comm = opt.communicator if getattr(opt, "stage", None) == "compression" else None
     summary = {
         "optimizer": "OneBitAdam" if args.optimizer == "onebit" else "Adam",
         "strategy": strategy, "world_size": world, "parameters": n_params,
@@ -166,10 +167,8 @@ def main(argv=None) -> None:
         "final_val_loss": val_loss, "test_loss": test_loss,
         "bytes_sent": getattr(opt, "bytes_sent", ddp_bytes),
         "dense_bytes": getattr(opt, "dense_bytes", ddp_bytes),
-        "compression_stage_bytes": sum(c.bytes_sent for c in opt._all_comms())
-        if isinstance(opt, OneBitAdam) else 0,
-        "compression_stage_dense_bytes": sum(c.dense_bytes for c in opt._all_comms())
-        if isinstance(opt, OneBitAdam) else 0,
+        "compression_stage_bytes": comm.bytes_sent if comm else 0,
+        "compression_stage_dense_bytes": comm.dense_bytes if comm else 0,
         "switch_step": getattr(opt, "switch_step", None),
         "mean_step_s": {k: sum(v) / len(v) for k, v in module.step_times.items() if v},
         "overlap": getattr(trainer.strategy, "hook_state", None) is not None

@@ -2,10 +2,10 @@
 
 ``import onebit_plugin`` registers the strategy names ``"onebit_adam"``, ``"onebit_adam_spawn"``
 and ``"onebit_adam_fork"`` in ``pytorch_lightning`` and, when it is installed, in
-``lightning.pytorch`` (each namespace gets its own subclasses of its own ``DDPStrategy`` and
-``Callback``). The classes of a namespace: :func:`classes_for`.
-
-``OneBitAdamStrategy`` and ``OneBitAdamCallback`` here are the ``pytorch_lightning`` flavour.
+``lightning.pytorch``. Each namespace has its own classes, at the top level of
+``onebit_plugin.integrations.for_pytorch_lightning`` and ``...for_lightning_pytorch``;
+:func:`classes_for` returns them. ``OneBitAdamStrategy`` and ``OneBitAdamCallback`` here are the
+``pytorch_lightning`` ones.
 """
 
 from __future__ import annotations
@@ -13,25 +13,18 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-from onebit_plugin.integrations.lightning_strategy import make_strategy_class
-from onebit_plugin.integrations.stage_callback import make_callback_class
-
 NAMESPACES = ("pytorch_lightning", "lightning.pytorch")
-_CLASSES: dict[str, tuple[type, type]] = {}
 
 
 def classes_for(namespace: str = "pytorch_lightning") -> tuple[type, type]:
-    """``(OneBitAdamStrategy, OneBitAdamCallback)`` for ``pytorch_lightning`` or
-    ``lightning.pytorch``, built once and registered in that namespace's strategy registry."""
-    if namespace not in _CLASSES:
-        pl = importlib.import_module(namespace)
-        callback_cls = make_callback_class(pl)
-        strategy_cls = make_strategy_class(pl, callback_cls)
-        strategy_cls.__module__ = callback_cls.__module__ = __name__
-        registry = importlib.import_module(f"{namespace}.strategies").StrategyRegistry
-        strategy_cls.register_strategies(registry)
-        _CLASSES[namespace] = (strategy_cls, callback_cls)
-    return _CLASSES[namespace]
+    """``(OneBitAdamStrategy, OneBitAdamCallback)`` of ``pytorch_lightning`` or
+    ``lightning.pytorch`` (importing them registers the strategy names there)."""
+    if namespace not in NAMESPACES:
+        raise ValueError(f"namespace must be one of {NAMESPACES}, got {namespace!r}")
+    module = importlib.import_module(
+        f"onebit_plugin.integrations.for_{namespace.replace('.', '_')}"
+    )
+    return module.OneBitAdamStrategy, module.OneBitAdamCallback
 
 
 def _installed(namespace: str) -> bool:
@@ -43,16 +36,14 @@ def _installed(namespace: str) -> bool:
 
 def register_all() -> list[str]:
     """Register the strategies in every installed Lightning namespace; returns their names."""
-    done = []
-    for namespace in NAMESPACES:
-        if _installed(namespace):
-            classes_for(namespace)
-            done.append(namespace)
+    done = [ns for ns in NAMESPACES if _installed(ns)]
+    for namespace in done:
+        classes_for(namespace)
     return done
 
 
 def __getattr__(name: str):
-    # Built on first use, so that a machine with only lightning.pytorch can import this module.
+    # Imported on first use, so that a machine with only lightning.pytorch can import this.
     if name in ("OneBitAdamStrategy", "OneBitAdamCallback"):
         strategy_cls, callback_cls = classes_for("pytorch_lightning")
         return strategy_cls if name == "OneBitAdamStrategy" else callback_cls

@@ -22,9 +22,10 @@ def _to_cpu(obj):
     return obj.cpu() if hasattr(obj, "cpu") else obj
 
 
-def make_strategy_class(pl, callback_cls):
-    """Build the strategy for one Lightning namespace (``pytorch_lightning`` or
-    ``lightning.pytorch``): each has its own ``DDPStrategy``."""
+def make_strategy_class(pl, callback_cls, module: str):
+    """The strategy of one Lightning namespace (``pytorch_lightning`` or ``lightning.pytorch``,
+    each with its own ``DDPStrategy``), to be bound at the top level of ``module`` (so that it
+    pickles, as ``"onebit_adam_spawn"`` needs)."""
     from typing_extensions import override
 
     DDPStrategy = pl.strategies.DDPStrategy
@@ -170,4 +171,5 @@ def make_strategy_class(pl, callback_cls):
                     override=True, start_method=start_method,
                 )
 
+    OneBitAdamStrategy.__module__, OneBitAdamStrategy.__qualname__ = module, "OneBitAdamStrategy"
     return OneBitAdamStrategy

@@ -8,9 +8,9 @@ from onebit_plugin.lockstep import check_lockstep
 from onebit_plugin.optimizer import COMPRESSION, OneBitAdam
 
 
-def make_callback_class(pl):
-    """Build the callback for one Lightning namespace (``pytorch_lightning`` or
-    ``lightning.pytorch``): their ``Callback`` base classes are distinct."""
+def make_callback_class(pl, module: str):
+    """The callback of one Lightning namespace (``pytorch_lightning`` or ``lightning.pytorch``:
+    their ``Callback`` base classes are distinct), to be bound at the top level of ``module``."""
     # The namespace's own rank_zero_info logs to its logger, which Lightning shows at INFO.
     rank_zero_info = pl.utilities.rank_zero_info
 
@@ -20,7 +20,8 @@ def make_callback_class(pl):
         * the switch: one rank-zero info line, and the metric ``onebit/switch_step`` (the last
           warm-up step) through every logger of the trainer, exactly once per run (resumes
           included: the callback's state is checkpointed);
-        * every ``log_every_n_steps`` steps, through ``trainer.loggers``: ``onebit/stage``
+        * once per optimizer step (not per micro-batch), every ``log_every_n_steps`` steps,
+          through ``trainer.loggers``: ``onebit/stage``
           (0 warm-up, 1 compression), ``onebit/bytes_sent`` (this rank, cumulative),
           ``onebit/dense_bytes`` (what an fp32 allreduce would have sent) and
           ``onebit/compression_ratio`` (their ratio);
@@ -42,6 +43,11 @@ def make_callback_class(pl):
             self.check_every = check_lockstep_every_n_steps
             self.switch_logged = False
             self.switch_step: int | None = None
+            self._last_step = 0  # the optimizer's step count last acted on
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            opt = self._optimizer(trainer)
+            self._last_step = opt.global_step if opt is not None else 0  # resumed: restored
 
         @staticmethod
         def _optimizer(trainer) -> OneBitAdam | None:
@@ -53,8 +59,10 @@ def make_callback_class(pl):
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             opt = self._optimizer(trainer)
-            if opt is None:
+            # With accumulate_grad_batches=k only every k-th micro-batch stepped the optimizer.
+            if opt is None or opt.global_step == self._last_step:
                 return
+            self._last_step = opt.global_step
             step = trainer.global_step
             compressing = opt.stage == COMPRESSION
             if compressing and not self.switch_logged:
@@ -90,4 +98,5 @@ def make_callback_class(pl):
             self.switch_logged = bool(state_dict["switch_logged"])
             self.switch_step = state_dict["switch_step"]
 
+    OneBitAdamCallback.__module__, OneBitAdamCallback.__qualname__ = module, "OneBitAdamCallback"
     return OneBitAdamCallback

@@ -5,20 +5,35 @@ variance whose momentum is averaged across ranks by ``compressed_allreduce`` -- 
 error feedback on the worker and the server side, about 1/32 of an fp32 allreduce's bytes.
 """
 
-from onebit_plugin.allreduce import CompressedAllreduce, compressed_allreduce
+from onebit_plugin.allreduce import (
+    CommunicationError,
+    CompressedAllreduce,
+    ExactAllreduce,
+    OneBitAllreduce,
+    compressed_allreduce,
+)
 from onebit_plugin.compression import ChunkLayout
 from onebit_plugin.ddp_hook import OneBitHookState, onebit_hook, register_onebit_hook
 from onebit_plugin.lockstep import LockstepError, check_lockstep
+from onebit_plugin.momentum import MomentumUnit
 from onebit_plugin.optimizer import OneBitAdam
+from onebit_plugin.update import adam_update_, fold_gradient_, frozen_update_
 
 __all__ = [
     "ChunkLayout",
+    "CommunicationError",
     "CompressedAllreduce",
+    "ExactAllreduce",
     "LockstepError",
+    "MomentumUnit",
     "OneBitAdam",
+    "OneBitAllreduce",
     "OneBitHookState",
+    "adam_update_",
     "check_lockstep",
     "compressed_allreduce",
+    "fold_gradient_",
+    "frozen_update_",
     "onebit_hook",
     "register_onebit_hook",
 ]

@@ -1,17 +1,24 @@
-"""The compressed allreduce: 1-bit signs with error feedback on the worker and the server side.
+"""Communicators: average a flat tensor across a process group, exactly or as 1-bit signs.
 
-One call averages a tensor across the ranks of a process group while sending about 1/32 of the
-bytes of an fp32 ring allreduce (design notes, section 1):
+Two implementations of one interface, so that ``OneBitAdam(compress_momentum=False)`` means the
+same on every path (docs/design.md, "Communicators"):
 
-1. every rank compresses ``tensor + worker_error`` and sends chunk ``j`` of the bits (and its
-   block scales) to rank ``j`` (``all_to_all_single``);
-2. rank ``j`` averages the W copies of chunk ``j`` it received, adds its server error and
-   compresses again (``server_compress``);
-3. every rank's compressed chunk goes to every rank (an all-gather), and each rank
-   decodes the same bytes into the same values, so the result is bit-identical on every rank.
+* :class:`ExactAllreduce` -- an fp32 sum allreduce divided by W;
+* :class:`OneBitAllreduce` -- the compressed allreduce of Tang et al. (2021), error feedback on
+  both sides:
 
-Both error buffers persist between calls: what one call rounds away is sent by the next ones, so
-the running average of the outputs tracks the running average of the true means.
+  1. every rank compresses ``tensor + worker_error`` and sends chunk ``j`` of the bits (and its
+     block scales) to rank ``j`` (``all_to_all_single``);
+  2. rank ``j`` averages the W copies of chunk ``j``, adds its server error and compresses again;
+  3. every rank's compressed chunk goes to every rank (an all-gather); each rank decodes the same
+     bytes into the same values, so the result is bit-identical on every rank.
+
+A communicator holds no error feedback: the error buffers belong to whoever owns the tensor (the
+optimizer's momentum units, or a :class:`CompressedAllreduce`), are made by
+:meth:`~Plan.new_errors` and passed to every call. What a communicator keeps per tensor size --
+layout, mask, wire buffers -- is a :class:`Plan`. Asynchronous calls of every communicator of a
+process group run in order on one background thread of that group (:func:`comm_executor`), so
+collectives keep the same order on every rank.
 """
 
 from __future__ import annotations
@@ -33,24 +40,33 @@ from onebit_plugin.compression import (
     worker_compress,
 )
 
-__all__ = ["CommunicationError", "CompressedAllreduce", "compressed_allreduce"]
+__all__ = [
+    "CommunicationError",
+    "CompressedAllreduce",
+    "ExactAllreduce",
+    "OneBitAllreduce",
+    "all_finite",
+    "comm_executor",
+    "compressed_allreduce",
+    "wait_collectives",
+]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Newer torch (2.13 here) deprecates all_gather_into_tensor for all_gather_single, same call.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_EXECUTORS: dict = {}
+_EXECUTORS_LOCK = threading.Lock()
 
 
 class CommunicationError(RuntimeError):
-    """A collective of the compressed allreduce failed or timed out: a peer rank stopped,
-    hung or lost its network."""
+    """A collective failed or timed out: a peer rank stopped, hung or lost its network."""
 
 
 def all_finite(tensors) -> bool:
-    """True unless some value is inf or NaN. One summing pass per tensor and a single sync: an
-    inf or NaN anywhere makes its sum non-finite, and no temporary as large as the input is
-    made. For 6.5M values ``isfinite(t).all()`` added 10 ms to a 9 ms Adam step here, this
-    1 ms. Finite values summing past ~3e38 also count as non-finite: such a step is skipped
-    like an overflowed one, on every rank alike since every rank sees the same values."""
+    """True unless some value is inf or NaN: one summing pass per tensor and a single sync (an
+    inf or NaN makes its sum non-finite; no temporary as large as the input, unlike
+    ``isfinite(t).all()``). Finite values summing past ~3e38 also count as non-finite: such a
+    step is skipped like an overflowed one, on every rank alike."""
     sums = [t.sum(dtype=torch.float32) for t in tensors]
     return bool(torch.isfinite(torch.stack(sums)).all()) if sums else True
 
@@ -60,12 +76,9 @@ def wait_collectives(works: list, timeout: timedelta | None, what: str, group=No
     says which rank saw it and what to do."""
     try:
         for work in works:
-            if timeout is None:
-                work.wait()
-            else:
-                work.wait(timeout)
+            work.wait() if timeout is None else work.wait(timeout)
     except RuntimeError as exc:
-        world, rank = _group_size_and_rank(group)
+        world, rank = group_size_and_rank(group)
         limit = "" if timeout is None else f" (timeout {timeout.total_seconds():g} s)"
         raise CommunicationError(
             f"onebit: {what} failed on rank {rank} of {world}{limit}: {exc}. A peer rank has "
@@ -74,117 +87,294 @@ def wait_collectives(works: list, timeout: timedelta | None, what: str, group=No
         ) from exc
 
 
-def _group_size_and_rank(group) -> tuple[int, int]:
+def group_size_and_rank(group) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-class CompressedAllreduce:
-    """State of the compressed allreduce of one flat tensor size: errors, buffers, byte counts.
+def comm_executor(group) -> ThreadPoolExecutor:
+    """The one background thread of ``group`` (None: the default group) that runs every
+    asynchronous call of every communicator on it, in submission order."""
+    with _EXECUTORS_LOCK:
+        executor = _EXECUTORS.get(group)
+        if executor is None:
+            executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onebit-comm")
+            _EXECUTORS[group] = executor
+        return executor
 
-    Create one per tensor that is reduced repeatedly (a flat momentum, a DDP bucket) and call it
-    on every step; the error feedback only works if the same object sees every call. Every rank
-    of ``group`` must create it with the same ``numel``, ``max_block`` and mask, and call it in
-    the same order.
 
-    Args:
-        numel: number of values of the tensors this object reduces.
-        group: the process group (default: the world). Without an initialised process group the
-            world size is 1: the tensor is still compressed, nothing is sent.
-        max_block: largest number of values that share one fp32 scale (a multiple of 8). Smaller
-            blocks follow the magnitudes more closely and cost ``4 / max_block`` bytes per value:
-            2048 adds 1.6% to the 1-bit payload (0.05% of the fp32 bytes), 256 adds 12.5%.
-        scale: ``"rms"`` (default) or ``"mean"``: the block scale rule; see
-            ``onebit_plugin.compression`` for the measurement behind the default.
-        mask: optional bool tensor of ``numel`` values; False marks coordinates that are frozen
-            at zero (the result is exactly 0 there and they never collect error).
-        device: where buffers live (default: CPU).
-        executor: single-worker executor that runs asynchronous calls; several objects that
-            share a process group must share one, so that their collectives keep one order
-            (the DDP hook passes one for all buckets). Default: a private one.
-        timeout: seconds (or a timedelta) each collective may take before the call raises
-            :class:`CommunicationError`, instead of waiting for the process group's own timeout
-            (30 minutes by default for gloo) when a peer rank hangs or its link is cut.
+def _as_timedelta(timeout) -> timedelta | None:
+    return timedelta(seconds=timeout) if isinstance(timeout, int | float) else timeout
 
-    Attributes:
-        bytes_sent: bytes this rank passed to the collectives, summed over calls (bits and scales;
-            what each collective sends to other ranks).
-        dense_bytes: bytes a bandwidth-optimal fp32 ring allreduce of the same tensor would have
-            sent from this rank over the same calls, for the compression ratio.
-        calls: completed calls.
-        skipped_calls: calls skipped because some rank's input was not finite.
-        wait_seconds, busy_seconds: time spent waiting on the collectives, and the rest of the
-            calls (compression passes, buffer handling), summed over calls.
-    """
 
-    def __init__(
-        self,
-        numel: int,
-        group: dist.ProcessGroup | None = None,
-        *,
-        max_block: int = 2048,
-        scale: str = "rms",
-        mask: torch.Tensor | None = None,
-        device: torch.device | str | None = None,
-        executor: ThreadPoolExecutor | None = None,
-        timeout: float | timedelta | None = None,
-    ):
-        self.group = group
-        if isinstance(timeout, int | float):
-            timeout = timedelta(seconds=timeout)
-        self.timeout = timeout
-        self.world_size, self.rank = _group_size_and_rank(group)
-        self.max_block = max_block
-        self.layout = ChunkLayout.create(numel, self.world_size, max_block, scale)
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        lay, dev = self.layout, self.device
-        self.worker_error = torch.zeros(lay.padded_numel, dtype=torch.float32, device=dev)
-        self.server_error = torch.zeros(lay.chunk, dtype=torch.float32, device=dev)
-        self.set_mask(mask)
-        # Wire buffers, allocated once: send/recv of the all-to-all, then of the all-gather.
-        bytes_per_chunk = lay.chunk // 8
-        self._send_packed = torch.empty(lay.padded_numel // 8, dtype=torch.uint8, device=dev)
-        self._send_scales = torch.empty(lay.num_blocks, dtype=torch.float32, device=dev)
-        self._recv_packed = torch.empty(
-            lay.world_size, bytes_per_chunk, dtype=torch.uint8, device=dev
-        )
-        self._recv_scales = torch.empty(
-            lay.world_size, lay.blocks_per_chunk, dtype=torch.float32, device=dev
-        )
-        self._own_packed = torch.empty(bytes_per_chunk, dtype=torch.uint8, device=dev)
-        self._own_scales = torch.empty(lay.blocks_per_chunk, dtype=torch.float32, device=dev)
-        self._all_packed = torch.empty(lay.padded_numel // 8, dtype=torch.uint8, device=dev)
-        self._all_scales = torch.empty(lay.num_blocks, dtype=torch.float32, device=dev)
-        self._scratch = None if dev.type == "cuda" else CompressionBuffers(
+class Plan:
+    """What a communicator keeps for one tensor size: its layout, its mask and (1-bit) its wire
+    buffers, allocated once. Made by the communicator's :meth:`plan`."""
+
+    def __init__(self, layout: ChunkLayout, keep: torch.Tensor | None, device, rank: int,
+                 wire: bool):
+        self.layout, self.device = layout, torch.device(device)
+        self.mask = CoordinateMask.build(layout, keep, self.device)
+        self.chunk_mask = self.mask.chunk(layout, rank)
+        self.wire = _WireBuffers(layout, self.device) if wire else None
+        dropped = self.mask.dropped
+        self.dropped = dropped[dropped < layout.numel]  # without the padding tail
+
+    def new_errors(self) -> dict[str, torch.Tensor]:
+        """Zero error buffers for this plan: ``worker`` (padded numel) and ``server`` (one
+        chunk) for the 1-bit communicator, none for the exact one."""
+        if self.wire is None:
+            return {}
+        z = dict(dtype=torch.float32, device=self.device)
+        return {"worker": torch.zeros(self.layout.padded_numel, **z),
+                "server": torch.zeros(self.layout.chunk, **z)}
+
+    def clear_masked_(self, errors: dict[str, torch.Tensor]) -> None:
+        """Zero the errors of masked coordinates, so that none ever leaks into a later call."""
+        if errors:
+            self.mask.zero_(errors["worker"])
+            self.chunk_mask.zero_(errors["server"])
+
+
+class _WireBuffers:
+    """Send/receive buffers of the all-to-all and the all-gather, plus CPU scratch."""
+
+    def __init__(self, lay: ChunkLayout, dev: torch.device):
+        u8, f32 = dict(dtype=torch.uint8, device=dev), dict(dtype=torch.float32, device=dev)
+        self.send_packed = torch.empty(lay.padded_numel // 8, **u8)
+        self.send_scales = torch.empty(lay.num_blocks, **f32)
+        self.recv_packed = torch.empty(lay.world_size, lay.chunk // 8, **u8)
+        self.recv_scales = torch.empty(lay.world_size, lay.blocks_per_chunk, **f32)
+        self.own_packed = torch.empty(lay.chunk // 8, **u8)
+        self.own_scales = torch.empty(lay.blocks_per_chunk, **f32)
+        self.all_packed = torch.empty(lay.padded_numel // 8, **u8)
+        self.all_scales = torch.empty(lay.num_blocks, **f32)
+        self.scratch = None if dev.type == "cuda" else CompressionBuffers(
             lay.padded_numel, lay.block, dev
         )
-        self.bytes_sent = 0
-        self.dense_bytes = 0
-        self.calls = 0
-        self.skipped_calls = 0
-        self.last_call_skipped = False
-        # Where the time goes: waiting on the collectives vs. everything else (compression).
-        self.wait_seconds = 0.0
-        self.busy_seconds = 0.0
-        self._executor = executor
-        self._owns_executor = executor is None
+
+
+class _Communicator:
+    """The interface: ``plan()`` once per tensor, then ``reduce_()`` (or ``submit()``) per call.
+
+    Counters, summed over calls: ``bytes_sent`` (bytes this rank handed to the collectives for
+    other ranks), ``dense_bytes`` (what a bandwidth-optimal fp32 ring allreduce of the same
+    tensors would have sent), ``calls``, ``skipped_calls``, ``wait_seconds`` (waiting on the
+    collectives) and ``busy_seconds`` (everything else: compression passes, copies).
+    """
+
+    compressed = False
+
+    def __init__(self, group: dist.ProcessGroup | None = None,
+                 timeout: float | timedelta | None = None):
+        self.group, self.timeout = group, _as_timedelta(timeout)
+        self.world_size, self.rank = group_size_and_rank(group)
+        self.bytes_sent = self.dense_bytes = self.calls = self.skipped_calls = 0
+        self.wait_seconds = self.busy_seconds = 0.0
         self._stream = None
         self._lock = threading.Lock()
 
+    def plan(self, numel: int, keep: torch.Tensor | None = None, device=None) -> Plan:
+        layout = self._layout(numel)
+        return Plan(layout, keep, device or "cpu", self.rank, self.compressed)
+
+    def _layout(self, numel: int) -> ChunkLayout:
+        return ChunkLayout.create(numel, self.world_size, 8)
+
+    def reduce_(self, tensor: torch.Tensor, plan: Plan, errors: dict,
+                out: torch.Tensor | None = None) -> bool:
+        """Write the average of ``tensor`` over the group's ranks into ``out`` (default:
+        ``tensor``); masked coordinates come out exactly 0. Returns False, on every rank alike
+        and with ``out`` untouched, when some rank's input was not finite."""
+        out = tensor if out is None else out
+        started, waited = time.perf_counter(), self.wait_seconds
+        with self._lock:
+            ok = self._reduce(tensor, out, plan, errors)
+        self.calls += 1
+        self.skipped_calls += not ok
+        self.dense_bytes += plan.layout.dense_wire_bytes(4)
+        self.busy_seconds += time.perf_counter() - started - (self.wait_seconds - waited)
+        return ok
+
+    def submit(self, tensor: torch.Tensor, plan: Plan, errors: dict,
+               out: torch.Tensor | None = None) -> torch.futures.Future:
+        """:meth:`reduce_` on the group's background thread; the future's value is its bool."""
+        event = None
+        if tensor.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        future: torch.futures.Future = torch.futures.Future()
+
+        def job():
+            try:
+                if event is None:
+                    future.set_result(self.reduce_(tensor, plan, errors, out))
+                    return
+                # One side stream per communicator, ordered after the producer by the event.
+                if self._stream is None:
+                    self._stream = torch.cuda.Stream(device=tensor.device)
+                with torch.cuda.stream(self._stream):
+                    self._stream.wait_event(event)
+                    ok = self.reduce_(tensor, plan, errors, out)
+                self._stream.synchronize()
+                future.set_result(ok)
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                future.set_exception(exc)
+
+        comm_executor(self.group).submit(job)
+        return future
+
+    def _wait(self, works: list, what: str) -> None:
+        started = time.perf_counter()
+        try:
+            wait_collectives(works, self.timeout, what, self.group)
+        finally:
+            self.wait_seconds += time.perf_counter() - started
+
+    def __getstate__(self):
+        # Like torch's PowerSGDState: a process group, a stream and a lock do not pickle.
+        return {**self.__dict__, "group": None, "_stream": None, "_lock": None}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
+class ExactAllreduce(_Communicator):
+    """fp32 sum allreduce, then ``/ W``: frozen-variance Adam without compression."""
+
+    def _reduce(self, tensor, out, plan: Plan, errors) -> bool:
+        if out is not tensor:
+            out.copy_(tensor)
+        if self.world_size > 1:
+            work = dist.all_reduce(out, group=self.group, async_op=True)
+            self._wait([work], "the exact momentum allreduce")
+            out.div_(self.world_size)
+            self.bytes_sent += plan.layout.dense_wire_bytes(out.element_size())
+        if not all_finite([out]):  # the same on every rank after the allreduce
+            return False
+        if plan.dropped.numel():
+            out.view(-1).index_fill_(0, plan.dropped, 0.0)
+        return True
+
+
+class OneBitAllreduce(_Communicator):
+    """1-bit signs with error feedback on the worker and the server side, about 1/32 of the
+    bytes of an fp32 ring allreduce.
+
+    Args:
+        group: the process group (default: the world; without one, W = 1: the tensor is
+            still compressed, nothing is sent).
+        max_block: largest number of values sharing one fp32 scale (a multiple of 8): each
+            block costs 4 bytes beside its ``max_block / 8`` bytes of signs (2048: +1.6%).
+        scale: the block scale rule, ``"rms"`` or ``"mean"`` (``onebit_plugin.compression``).
+        timeout: seconds each collective may take before the call raises
+            :class:`CommunicationError`.
+
+    Non-finite input on any rank skips the call on *every* rank: that rank sends NaN scales
+    instead of compressing (its worker error untouched), the servers pass the NaN on instead of
+    updating their errors, and every rank sees it in the gathered scales -- no extra collective.
+    Ranks whose input was finite keep that compression's (finite) worker residual.
+    """
+
+    compressed = True
+
+    def __init__(self, group=None, *, max_block: int = 2048, scale: str = "rms", timeout=None):
+        super().__init__(group, timeout)
+        self.max_block, self.scale = max_block, scale
+
+    def _layout(self, numel: int) -> ChunkLayout:
+        return ChunkLayout.create(numel, self.world_size, self.max_block, self.scale)
+
+    def _reduce(self, tensor, out, plan: Plan, errors) -> bool:
+        lay, w = plan.layout, plan.wire
+        if all_finite([tensor]):
+            worker_compress(tensor, errors["worker"], plan.mask, lay, w.send_packed,
+                            w.send_scales, w.scratch)
+        else:  # tell every server, and through them every rank, without touching the error
+            w.send_packed.zero_()
+            w.send_scales.fill_(float("nan"))
+        self._exchange(
+            [(w.recv_packed.view(-1), w.send_packed), (w.recv_scales.view(-1), w.send_scales)],
+            dist.all_to_all_single, "all-to-all",
+        )
+        if bool(torch.isfinite(w.recv_scales).all()):
+            server_compress(w.recv_packed, w.recv_scales, errors["server"], plan.chunk_mask,
+                            lay, w.own_packed, w.own_scales, w.scratch)
+        else:
+            w.own_packed.zero_()
+            w.own_scales.fill_(float("nan"))
+        self._exchange([(w.all_packed, w.own_packed), (w.all_scales, w.own_scales)],
+                       _all_gather, "all-gather")
+        # Every rank holds the same gathered scales, so every rank takes the same decision.
+        if not bool(torch.isfinite(w.all_scales).all()):
+            return False
+        decompress(w.all_packed, w.all_scales, plan.mask, lay, out, w.scratch)
+        return True
+
+    def _exchange(self, pairs, collective, what: str) -> None:
+        world = self.world_size
+        if world == 1:
+            for recv, send in pairs:
+                recv.copy_(send)
+            return
+        works = [collective(recv, send, group=self.group, async_op=True) for recv, send in pairs]
+        self._wait(works, f"the compressed allreduce's {what}")
+        # An all-to-all keeps 1/W of its input at home and sends the rest; an all-gather
+        # delivers this rank's chunk to each of the W-1 others.
+        per_send = sum(send.nbytes for _, send in pairs)
+        self.bytes_sent += (per_send * (world - 1) // world if collective is dist.all_to_all_single
+                            else per_send * (world - 1))
+
+
+class CompressedAllreduce:
+    """The 1-bit allreduce of one tensor size with its own error feedback, for use outside
+    OneBitAdam (in the manner of torch's ``PowerSGDState``).
+
+    Create one per tensor that is reduced repeatedly and call it on every step: the error
+    feedback only works if the same object sees every call. Every rank of ``group`` must create
+    it with the same ``numel``, ``max_block``, ``scale`` and ``mask`` and call it in the same
+    order. ``mask`` (bool, ``numel`` values): False coordinates come out exactly 0 and never
+    collect error. Other arguments as :class:`OneBitAllreduce`; ``device``: where the buffers
+    live (default: CPU).
+
+    Attributes: ``worker_error``, ``server_error``, ``last_call_skipped``, and the
+    communicator's counters (``bytes_sent``, ``dense_bytes``, ``calls``, ``skipped_calls``).
+    """
+
+    def __init__(self, numel: int, group: dist.ProcessGroup | None = None, *,
+                 max_block: int = 2048, scale: str = "rms", mask: torch.Tensor | None = None,
+                 device: torch.device | str | None = None,
+                 timeout: float | timedelta | None = None):
+        self.comm = OneBitAllreduce(group, max_block=max_block, scale=scale, timeout=timeout)
+        self.device = torch.device(device or "cpu")
+        self.plan = self.comm.plan(numel, mask, self.device)
+        self.errors = self.plan.new_errors()
+        self.last_call_skipped = False
+
+    def __getattr__(self, name):  # the communicator's counters and group
+        comm = self.__dict__.get("comm")
+        if comm is None or name not in ("bytes_sent", "dense_bytes", "calls", "skipped_calls",
+                                        "wait_seconds", "busy_seconds", "group"):
+            raise AttributeError(name)
+        return getattr(comm, name)
+
+    @property
+    def layout(self) -> ChunkLayout:
+        return self.plan.layout
+
     @property
     def numel(self) -> int:
-        return self.layout.numel
+        return self.plan.layout.numel
 
-    def set_mask(self, mask: torch.Tensor | None) -> None:
-        """Set which coordinates take part (True) and which stay exactly zero (False).
+    @property
+    def worker_error(self) -> torch.Tensor:
+        return self.errors["worker"]
 
-        The errors of newly masked coordinates are cleared, so they never leak into later calls.
-        """
-        self.mask = CoordinateMask.build(self.layout, mask, self.device)
-        self._chunk_mask = self.mask.chunk(self.layout, self.rank)
-        self.mask.zero_(self.worker_error)
-        self._chunk_mask.zero_(self.server_error)
+    @property
+    def server_error(self) -> torch.Tensor:
+        return self.errors["server"]
 
     def _check(self, tensor: torch.Tensor) -> None:
         if tensor.numel() != self.numel:
@@ -201,201 +391,52 @@ class CompressedAllreduce:
                 f"tensor is on {tensor.device}, the compressed allreduce's buffers on {self.device}"
             )
 
-    def __call__(
-        self, tensor: torch.Tensor, async_op: bool = False, out: torch.Tensor | None = None
-    ):
-        """Write the compressed average of ``tensor`` over the group's ranks into ``out``
-        (default: ``tensor`` itself, in place).
-
-        Returns ``out``, or with ``async_op=True`` a ``torch.futures.Future`` that completes
-        with ``out`` once the result is in it. Asynchronous calls run in order on one
-        background thread; while one is in flight, issue no other collective on this group from
-        another thread (give the compressed allreduce its own group for that, as the DDP hook
-        does), since ranks must enter collectives in the same order.
-
-        Non-finite input on any rank skips the call on *every* rank: that rank sends NaN scales
-        instead of compressing (its worker error untouched), the servers pass the NaN on
-        instead of updating their errors, and every rank sees it in the gathered scales, so no
-        extra collective is needed to agree. ``out`` is left as it was, ``last_call_skipped``
-        is True and ``skipped_calls`` counts it. Ranks whose input was finite had already
-        compressed it: their worker error keeps that compression's (finite) residual, since
-        restoring the previous one exactly would cost another buffer of ``numel`` values.
-        """
+    def __call__(self, tensor: torch.Tensor, async_op: bool = False,
+                 out: torch.Tensor | None = None):
+        """Write the compressed average of ``tensor`` into ``out`` (default: ``tensor``).
+        Returns ``out``, or with ``async_op=True`` a future that completes with ``out``.
+        A call skipped for non-finite input (see :class:`OneBitAllreduce`) leaves ``out`` as it
+        was and sets ``last_call_skipped``."""
         self._check(tensor)
         out = tensor if out is None else out
         if out is not tensor:
             self._check(out)
         if not async_op:
-            self._run(tensor, out, None)
+            self.last_call_skipped = not self.comm.reduce_(tensor, self.plan, self.errors, out)
             return out
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onebit-comm")
-            self._owns_executor = True
-        event = None
-        if tensor.is_cuda:
-            event = torch.cuda.Event()
-            event.record()
-        future: torch.futures.Future = torch.futures.Future()
 
-        def job():
-            try:
-                self._run(tensor, out, event)
-                future.set_result(out)
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
-                future.set_exception(exc)
+        def done(fut):
+            self.last_call_skipped = not fut.value()
+            return out
 
-        self._executor.submit(job)
-        return future
-
-    def _run(self, tensor: torch.Tensor, out: torch.Tensor, ready) -> None:
-        with self._lock:
-            if ready is not None:
-                # One side stream per object, ordered after the producer through the event.
-                if self._stream is None:
-                    self._stream = torch.cuda.Stream(device=tensor.device)
-                stream = self._stream
-                with torch.cuda.stream(stream):
-                    stream.wait_event(ready)
-                    self._reduce(tensor, out)
-                stream.synchronize()
-            else:
-                self._reduce(tensor, out)
-
-    def _reduce(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
-        started, waited = time.perf_counter(), self.wait_seconds
-        self._reduce_timed(tensor, out)
-        self.busy_seconds += time.perf_counter() - started - (self.wait_seconds - waited)
-
-    def _reduce_timed(self, tensor: torch.Tensor, out: torch.Tensor) -> None:
-        lay, world = self.layout, self.world_size
-        buf = self._scratch
-        if all_finite([tensor]):
-            worker_compress(
-                tensor, self.worker_error, self.mask, lay, self._send_packed, self._send_scales,
-                buf,
-            )
-        else:  # tell every server, and through them every rank, without touching the error
-            self._send_packed.zero_()
-            self._send_scales.fill_(float("nan"))
-        if world > 1:
-            works = [
-                dist.all_to_all_single(
-                    self._recv_packed.view(-1), self._send_packed, group=self.group,
-                    async_op=True,
-                ),
-                dist.all_to_all_single(
-                    self._recv_scales.view(-1), self._send_scales, group=self.group,
-                    async_op=True,
-                ),
-            ]
-            self._wait(works, "all-to-all")
-            # An all-to-all keeps 1/W of its input at home and sends the rest.
-            sent = (self._send_packed.nbytes + self._send_scales.nbytes) * (world - 1) // world
-        else:
-            self._recv_packed.view(-1).copy_(self._send_packed)
-            self._recv_scales.view(-1).copy_(self._send_scales)
-            sent = 0
-        if bool(torch.isfinite(self._recv_scales).all()):
-            server_compress(
-                self._recv_packed, self._recv_scales, self.server_error, self._chunk_mask, lay,
-                self._own_packed, self._own_scales, buf,
-            )
-        else:
-            self._own_packed.zero_()
-            self._own_scales.fill_(float("nan"))
-        if world > 1:
-            works = [
-                _all_gather(self._all_packed, self._own_packed, group=self.group, async_op=True),
-                _all_gather(self._all_scales, self._own_scales, group=self.group, async_op=True),
-            ]
-            self._wait(works, "all-gather")
-            # An all-gather delivers this rank's chunk to each of the W-1 others.
-            sent += (self._own_packed.nbytes + self._own_scales.nbytes) * (world - 1)
-        else:
-            self._all_packed.copy_(self._own_packed)
-            self._all_scales.copy_(self._own_scales)
-        # Every rank holds the same gathered scales, so every rank takes the same decision.
-        self.last_call_skipped = not bool(torch.isfinite(self._all_scales).all())
-        if self.last_call_skipped:
-            self.skipped_calls += 1
-        else:
-            decompress(self._all_packed, self._all_scales, self.mask, lay, out, buf)
-        self.bytes_sent += sent
-        self.dense_bytes += lay.dense_wire_bytes(4)
-        self.calls += 1
-
-    def _wait(self, works: list, what: str) -> None:
-        started = time.perf_counter()
-        try:
-            wait_collectives(works, self.timeout, f"the compressed allreduce's {what}",
-                             self.group)
-        finally:
-            self.wait_seconds += time.perf_counter() - started
+        return self.comm.submit(tensor, self.plan, self.errors, out).then(done)
 
     def close(self) -> None:
-        """Stop the background thread of asynchronous calls (after the pending ones finish)."""
-        if self._executor is not None and self._owns_executor:
-            self._executor.shutdown(wait=True)
-        self._executor = None
+        """Wait for the pending asynchronous calls of this object's process group."""
+        comm_executor(self.comm.group).submit(lambda: None).result()
 
     def state_dict(self) -> dict:
-        """This rank's errors and counters (each rank saves its own; the errors differ)."""
-        return {
-            "numel": self.numel,
-            "world_size": self.world_size,
-            "max_block": self.max_block,
-            "scale": self.layout.scale,
-            "worker_error": self.worker_error.clone(),
-            "server_error": self.server_error.clone(),
-            "bytes_sent": self.bytes_sent,
-            "dense_bytes": self.dense_bytes,
-            "calls": self.calls,
-        }
+        """This rank's errors (each rank saves its own; the errors differ)."""
+        return {"numel": self.numel, "world_size": self.comm.world_size,
+                "max_block": self.comm.max_block, "scale": self.comm.scale,
+                **{f"{k}_error": v.clone() for k, v in self.errors.items()}}
 
-    def load_state_dict(self, state: dict, counters: bool = True) -> None:
-        """Load this rank's errors (and, with ``counters``, the byte and call counts)."""
-        if state["numel"] != self.numel or state["world_size"] != self.world_size:
-            raise ValueError(
-                "compressed allreduce state was saved for "
-                f"numel={state['numel']}, world_size={state['world_size']}; this one has "
-                f"numel={self.numel}, world_size={self.world_size}"
-            )
-        saved = (state["max_block"], state["scale"])
-        if saved != (self.max_block, self.layout.scale):
-            raise ValueError(
-                f"compressed allreduce state was saved with (max_block, scale)={saved}, "
-                f"this one has {(self.max_block, self.layout.scale)}"
-            )
-        self.worker_error.copy_(state["worker_error"])
-        self.server_error.copy_(state["server_error"])
-        if counters:
-            self.bytes_sent = int(state["bytes_sent"])
-            self.dense_bytes = int(state["dense_bytes"])
-            self.calls = int(state["calls"])
-
-    def __getstate__(self):
-        # Like torch's PowerSGDState: a process group and a thread pool do not pickle.
-        state = self.__dict__.copy()
-        state["group"] = None
-        state["_executor"] = None
-        state["_stream"] = None
-        state["timeout"] = self.timeout
-        state["_lock"] = None
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
+    def load_state_dict(self, state: dict) -> None:
+        """Load this rank's errors; those of masked coordinates are cleared."""
+        mine = self.state_dict()
+        for key in ("numel", "world_size", "max_block", "scale"):
+            if state[key] != mine[key]:
+                raise ValueError(f"compressed allreduce state was saved with {key}="
+                                 f"{state[key]!r}; this one has {mine[key]!r}")
+        for k, v in self.errors.items():
+            v.copy_(state[f"{k}_error"])
+        self.plan.clear_masked_(self.errors)
 
 
-def compressed_allreduce(
-    tensor: torch.Tensor, state: CompressedAllreduce, async_op: bool = False
-):
-    """Average ``tensor`` in place across ``state``'s group with 1-bit compression.
-
-    ``state`` carries the error feedback and must be the same object on every call for the same
-    tensor; see :class:`CompressedAllreduce`. Returns ``tensor``, or a future with
-    ``async_op=True``.
+def compressed_allreduce(tensor: torch.Tensor, state: CompressedAllreduce,
+                         async_op: bool = False):
+    """Average ``tensor`` in place across ``state``'s group with 1-bit compression; returns
+    ``tensor``, or a future with ``async_op=True``.
 
     Example::
 

@@ -5,14 +5,13 @@ Warm-up (steps ``1..freeze_step``) is ``torch.optim.Adam`` -- or ``AdamW`` with
 At the end of step ``freeze_step`` the variance stops changing; ``V = sqrt(v_hat) + eps`` is then
 a fixed linear preconditioner, which is what lets error feedback cancel the compression error
 (Tang et al., 2021, Theorem 1). From then on each rank folds its *local* gradient into the
-momentum and the momenta are averaged by the compressed allreduce, so every rank applies the same
-update.
+momentum, the momentum units are averaged by the communicator (1-bit, or exact with
+``compress_momentum=False``) and every rank applies the same update.
 
-Coordinates whose frozen variance is exactly zero never received a gradient during warm-up
-(embedding rows of unseen tokens, padding); there ``V = eps`` and the sign compressor's
-``+-scale`` for their zero momentum would be amplified by ``1/eps``. A plain implementation
-diverged on a character-level model for that reason (design notes, section 6), so such
-coordinates are masked: their momentum stays exactly zero and they are not sent.
+Coordinates whose frozen variance is exactly zero never received a gradient during warm-up; there
+``V = eps`` and the sign compressor's ``+-scale`` for their zero momentum would be amplified by
+``1/eps`` (a plain implementation diverged for that reason: docs/design.md, "Masks"), so they are
+masked: their momentum stays exactly zero and they never collect error.
 """
 
 from __future__ import annotations
@@ -25,103 +24,31 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from onebit_plugin.allreduce import CompressedAllreduce, all_finite, wait_collectives
+from onebit_plugin.allreduce import (
+    ExactAllreduce,
+    OneBitAllreduce,
+    all_finite,
+    group_size_and_rank,
+    wait_collectives,
+)
 from onebit_plugin.compression import SCALE_RULES
+from onebit_plugin.momentum import MomentumUnit, partition
+from onebit_plugin.update import adam_update_, frozen_update_
 
 __all__ = ["OneBitAdam"]
 
 WARMUP = "warmup"
 COMPRESSION = "compression"
-
-
-def _adam_update_(
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    step: float,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-) -> None:
-    """One Adam/AdamW step, the same operations in the same order as torch's single-tensor Adam
-    (so fp32 results are bitwise equal). State is fp32; a low-precision param is updated through
-    an fp32 copy and rounded once."""
-    p = param if param.dtype == torch.float32 else param.float()
-    grad = grad if grad.dtype == torch.float32 else grad.float()
-    if weight_decay != 0:
-        if decoupled:
-            p.mul_(1 - lr * weight_decay)
-        else:
-            grad = grad.add(p, alpha=weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
-    p.addcdiv_(exp_avg, denom, value=-(lr / bias_correction1))
-    if p is not param:
-        param.copy_(p)
-
-
-def _fold_gradient_(
-    exp_avg: torch.Tensor,
-    grad: torch.Tensor | None,
-    param: torch.Tensor,
-    *,
-    beta1: float,
-    weight_decay: float,
-    decoupled: bool,
-    out: torch.Tensor,
-) -> None:
-    """``out = b1 * m + (1 - b1) * g`` with a *local* gradient (coupled weight decay folded in);
-    ``m`` itself is left alone until the average comes back. A missing gradient counts as zero:
-    every rank must still send its momentum."""
-    if grad is None:
-        torch.mul(exp_avg, beta1, out=out)
-        return
-    grad = grad if grad.dtype == torch.float32 else grad.float()
-    if weight_decay != 0 and not decoupled:
-        grad = grad.add(param, alpha=weight_decay)
-    torch.lerp(exp_avg, grad, 1 - beta1, out=out)
-
-
-def _frozen_update_(
-    param: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    step: float,
-    frozen_step: float,
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decoupled: bool,
-) -> None:
-    """The compression-stage update: the averaged momentum over the variance frozen at
-    ``frozen_step`` (its bias correction frozen with it)."""
-    p = param if param.dtype == torch.float32 else param.float()
-    if weight_decay != 0 and decoupled:
-        p.mul_(1 - lr * weight_decay)
-    denom = (exp_avg_sq.sqrt() / (1 - beta2**frozen_step) ** 0.5).add_(eps)
-    p.addcdiv_(exp_avg, denom, value=-(lr / (1 - beta1**step)))
-    if p is not param:
-        param.copy_(p)
+DEFAULT_UNIT_MB = 25.0  # DDP's default bucket size
 
 
 class OneBitAdam(Optimizer):
     """1-bit Adam (Tang et al., ICML 2021) as a ``torch.optim.Optimizer``.
 
     Use it like ``torch.optim.Adam`` in every process of a data-parallel job. Without DDP it
-    averages gradients itself during warm-up (one fp32 allreduce per step) and runs the compressed
-    momentum allreduce afterwards; in a single process it is Adam, then Adam with a frozen
-    variance.
+    averages gradients itself during warm-up (one fp32 allreduce per step) and the momentum
+    units afterwards; with DDP, :func:`onebit_plugin.register_onebit_hook` does both inside
+    backward. In a single process it is Adam, then Adam with a frozen variance.
 
     Args:
         params: parameters or parameter groups, as for ``torch.optim.Adam``.
@@ -131,33 +58,30 @@ class OneBitAdam(Optimizer):
         weight_decay: L2 penalty (added to the gradient, as ``Adam``) or, with
             ``decoupled_weight_decay=True``, decoupled decay (as ``AdamW``); >= 0.
         freeze_step: number of uncompressed warm-up steps; the variance is frozen at the end of
-            this step. Required. The paper uses 15-25% of the run; too short a warm-up freezes a
-            variance that has not settled yet.
+            this step. Required. The paper uses 15-25% of the run.
         decoupled_weight_decay: AdamW semantics for ``weight_decay``.
         max_block: values that share one fp32 scale in the compressed allreduce (multiple of 8).
-            Each block costs 4 bytes beside its ``max_block / 8`` bytes of signs.
         scale: block scale rule of the compressor, ``"rms"`` (default) or ``"mean"``.
-        mask_zero_variance: keep coordinates whose frozen variance is exactly 0 at zero momentum
-            (see the module docstring). Turning it off reproduces the divergence it prevents.
+        mask_zero_variance: keep coordinates whose frozen variance is exactly 0 at zero momentum.
         masks: optional ``{param: bool tensor of param's shape}``; False freezes that coordinate's
-            momentum at zero in the compression stage (for example padding rows). Must be the
-            same on every rank.
+            momentum at zero in the compression stage. Must be the same on every rank.
         process_group: group to average over (default: the world, when initialised).
-        average_grads: average gradients across ranks during warm-up. Set False when something
-            else already did (DDP without the onebit comm hook); the compression stage always
-            communicates the momentum itself.
-        compress_momentum: False averages the momentum with an exact fp32 allreduce in the
-            compression stage: frozen-variance Adam without compression, the ablation that
-            separates the cost of freezing the variance from the cost of the 1-bit exchange.
-        comm_timeout: seconds any of OneBitAdam's own collectives may take before ``step()``
-            raises ``CommunicationError`` (a peer rank died, hung or lost its link). Default:
-            the process group's timeout (30 minutes for gloo).
+        average_grads: average gradients across ranks during warm-up. False when something
+            else already did; the compression stage always averages the momentum itself.
+        compress_momentum: False averages the momentum with an exact fp32 allreduce after the
+            freeze (the ablation that separates freezing the variance from compressing).
+        comm_timeout: seconds any of OneBitAdam's collectives may take before ``step()`` raises
+            ``CommunicationError``. Default: the process group's timeout.
+        bucket_cap_mb: fp32 megabytes per momentum unit (the parameters are cut into units in
+            reverse order). Default: the DDP model's bucket size when the DDP hook overlaps,
+            else 25 (DDP's default).
 
     Attributes (for callbacks and logs): ``stage`` (``"warmup"`` or ``"compression"``),
-    ``global_step`` (completed steps), ``switch_step`` (the step after which compression
-    started, or None), ``bytes_sent`` (bytes this rank sent; warm-up allreduces counted as a
-    ring allreduce of the tensor handed to it), ``dense_bytes`` (what an fp32 ring allreduce of
-    the gradients would have sent over the same steps), ``compression_ratio``.
+    ``global_step`` (``step()`` calls), ``switch_step`` (the step after which compression
+    started, or None), ``skipped_steps``, ``bytes_sent`` (bytes this rank handed to the
+    collectives for others), ``dense_bytes`` (what fp32 ring allreduces of the gradients would
+    have sent), ``compression_ratio``, ``communicator`` (the compression stage's, with its own
+    counters) and ``units`` (the momentum units).
     """
 
     def __init__(
@@ -178,6 +102,7 @@ class OneBitAdam(Optimizer):
         average_grads: bool = True,
         compress_momentum: bool = True,
         comm_timeout: float | None = None,
+        bucket_cap_mb: float | None = None,
     ):
         _check_hparams(lr, betas, eps, weight_decay)
         if freeze_step is None:
@@ -193,6 +118,10 @@ class OneBitAdam(Optimizer):
             raise ValueError(f"max_block must be a positive multiple of 8, got {max_block!r}")
         if scale not in SCALE_RULES:
             raise ValueError(f"scale must be one of {SCALE_RULES}, got {scale!r}")
+        if comm_timeout is not None and not comm_timeout > 0:
+            raise ValueError(f"comm_timeout must be > 0 seconds, got {comm_timeout!r}")
+        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
         defaults = dict(
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
             decoupled_weight_decay=decoupled_weight_decay,
@@ -205,9 +134,8 @@ class OneBitAdam(Optimizer):
         self.process_group = process_group
         self.average_grads = average_grads
         self.compress_momentum = compress_momentum
-        if comm_timeout is not None and not comm_timeout > 0:
-            raise ValueError(f"comm_timeout must be > 0 seconds, got {comm_timeout!r}")
         self.comm_timeout = None if comm_timeout is None else timedelta(seconds=comm_timeout)
+        self.bucket_cap_mb = bucket_cap_mb
         self._masks = {}
         for p, m in (masks or {}).items():
             if m.shape != p.shape:
@@ -223,23 +151,17 @@ class OneBitAdam(Optimizer):
             )
         self.global_step = 0
         self.switch_step: int | None = None
-        self.comm: CompressedAllreduce | None = None
-        self._flat_momentum: torch.Tensor | None = None
-        self._grad_flat: torch.Tensor | None = None
-        self._uncompressed_sent = 0
-        self._uncompressed_dense = 0
-        # Set by onebit_plugin.ddp_hook.register_onebit_hook: the comm hook folds the gradient
-        # into the momentum and averages it inside backward, and hands the averaged momentum
-        # to step() through p.grad.
-        self.momentum_from_hook = False
-        self._hook_comms: dict[int, CompressedAllreduce] = {}  # by DDP bucket index
-        self._saved_hook_comms: dict[int, dict] = {}  # loaded, not yet claimed by a bucket
-        self._retired_sent = 0
-        self._retired_dense = 0
-        self.state_version = 0  # bumped by load_state_dict: hooks rebuild their views
         self.skipped_steps = 0  # steps skipped on every rank for a non-finite gradient
-        self._skipped_by_hook: set = set()  # filled by the comm hook during backward
-        self._local_momentum: torch.Tensor | None = None
+        self._unit_cap_bytes = int((bucket_cap_mb or DEFAULT_UNIT_MB) * 2**20)
+        self._comm_group = process_group
+        self._comm = None
+        self._units: list[MomentumUnit] | None = None
+        self._unit_of: dict[torch.Tensor, MomentumUnit] = {}
+        self._saved: dict = {}  # units' errors and counters from a checkpoint, until built
+        self._averaged: dict[MomentumUnit, bool] = {}  # by the DDP hook, this iteration
+        self._warmup_sent = self._warmup_dense = 0
+        self._grad_flat: torch.Tensor | None = None
+        self._settings_checked = False
 
     # ----------------------------------------------------------------------------- properties
     @property
@@ -248,59 +170,81 @@ class OneBitAdam(Optimizer):
 
     @property
     def world_size(self) -> int:
-        if not (dist.is_available() and dist.is_initialized()):
-            return 1
-        return dist.get_world_size(self.process_group)
+        return group_size_and_rank(self.process_group)[0]
 
-    def _all_comms(self) -> list[CompressedAllreduce]:
-        return ([self.comm] if self.comm is not None else []) + list(self._hook_comms.values())
+    @property
+    def communicator(self) -> OneBitAllreduce | ExactAllreduce:
+        """The compression stage's communicator: 1-bit, or exact with ``compress_momentum=False``
+        (on the DDP hook's own process group once the hook is registered). A single process
+        has nothing to send: exact, so it is Adam with a frozen variance."""
+        if self._comm is None:
+            if self.compress_momentum and self.world_size > 1:
+                self._comm = OneBitAllreduce(self._comm_group, max_block=self.max_block,
+                                             scale=self.scale, timeout=self.comm_timeout)
+            else:
+                self._comm = ExactAllreduce(self._comm_group, timeout=self.comm_timeout)
+            self._comm.bytes_sent, self._comm.dense_bytes = self._saved.pop("counts", (0, 0))
+        return self._comm
+
+    @property
+    def units(self) -> list[MomentumUnit]:
+        """The momentum units (built at the first use in the compression stage; empty before)."""
+        if self._units is None and self.switch_step is not None:
+            self._build_units()
+        return self._units or []
+
+    def unit_of(self, p: torch.Tensor) -> MomentumUnit:
+        """The momentum unit that holds ``p``'s momentum (compression stage)."""
+        self.units  # noqa: B018 - built on first use
+        return self._unit_of[p]
 
     @property
     def bytes_sent(self) -> int:
-        compressed = sum(c.bytes_sent for c in self._all_comms())
-        return self._uncompressed_sent + self._retired_sent + compressed
+        return self._warmup_sent + self._compression_counts()[0]
 
     @property
     def dense_bytes(self) -> int:
-        compressed = sum(c.dense_bytes for c in self._all_comms())
-        return self._uncompressed_dense + self._retired_dense + compressed
-
-    def count_uncompressed(self, nbytes: int) -> None:
-        """Account an fp32 ring allreduce of ``nbytes`` made for this optimizer (warm-up)."""
-        sent = _ring_bytes(nbytes, self.world_size)
-        self._uncompressed_sent += sent
-        self._uncompressed_dense += sent
-
-    def attach_comm(self, key: int, comm: CompressedAllreduce) -> None:
-        """Adopt the compressed allreduce of DDP bucket ``key`` (the comm hook's): its bytes
-        count here, its errors are saved with this optimizer, and errors saved under the same
-        key by a checkpoint are loaded into it. A comm it replaces is retired, counts kept."""
-        old = self._hook_comms.pop(key, None)
-        if old is not None:
-            self._retired_sent += old.bytes_sent
-            self._retired_dense += old.dense_bytes
-        saved = self._saved_hook_comms.pop(key, None)
-        if saved is not None:
-            comm.load_state_dict(saved, counters=False)  # counts were folded into retired
-        self._hook_comms[key] = comm
-
-    def momentum_keep_mask(self, p: torch.Tensor) -> torch.Tensor:
-        """Flat bool mask of ``p``'s coordinates that take part in the compression stage:
-        a non-zero frozen variance (with ``mask_zero_variance``) and the user's mask."""
-        keep = torch.ones(p.numel(), dtype=torch.bool, device=p.device)
-        if self.mask_zero_variance:
-            keep &= self.state[p]["exp_avg_sq"].reshape(-1) != 0
-        if p in self._masks:
-            keep &= self._masks[p].reshape(-1)
-        return keep
+        return self._warmup_dense + self._compression_counts()[1]
 
     @property
     def compression_ratio(self) -> float:
         """``dense_bytes / bytes_sent`` over the run so far (inf while nothing was sent)."""
         return self.dense_bytes / self.bytes_sent if self.bytes_sent else math.inf
 
+    def _compression_counts(self) -> tuple[int, int]:
+        if self._comm is not None:
+            return self._comm.bytes_sent, self._comm.dense_bytes
+        return self._saved.get("counts", (0, 0))
+
+    def count_uncompressed(self, nbytes: int) -> None:
+        """Account an fp32 ring allreduce of ``nbytes`` made for this optimizer (warm-up)."""
+        sent = _ring_bytes(nbytes, self.world_size)
+        self._warmup_sent += sent
+        self._warmup_dense += sent
+
+    # -------------------------------------------------------------------- the DDP hook's API
+    def use_ddp_hook(self, comm_group: dist.ProcessGroup | None, overlap: bool,
+                     bucket_bytes: int) -> None:
+        """Called by ``register_onebit_hook``: DDP's hook averages warm-up gradients from now
+        on; with ``overlap`` it also averages the momentum units inside backward, on
+        ``comm_group``, in units of DDP's ``bucket_bytes`` (unless ``bucket_cap_mb`` was given)."""
+        self.average_grads = False
+        if not overlap:
+            return
+        if self.bucket_cap_mb is None and self._units is None:
+            self._unit_cap_bytes = int(bucket_bytes)
+        self._comm_group = comm_group
+        if self._comm is not None:  # resumed before the hook existed: keep the counts
+            self._saved["counts"] = self._compression_counts()
+            self._comm = None
+
+    def mark_averaged(self, unit: MomentumUnit, ok: bool) -> None:
+        """The DDP hook averaged ``unit`` during backward (``ok``: every rank's was finite);
+        ``step()`` then takes its momentum from ``p.grad`` (clipping included)."""
+        self._averaged[unit] = ok
+
     def _trainable(self) -> list[torch.Tensor]:
-        # Fixed order, the same on every rank: the flat buffers are laid out in it.
+        # Fixed order, the same on every rank: the units are cut from it.
         return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
 
     @torch._disable_dynamo
@@ -323,8 +267,9 @@ class OneBitAdam(Optimizer):
             if p.grad is not None and p.grad.is_sparse:
                 raise ValueError("OneBitAdam does not support sparse gradients")
         self.global_step += 1
-        if self.global_step == 1 and self.world_size > 1:
+        if not self._settings_checked and self.world_size > 1:
             self._check_ranks_agree()
+        self._settings_checked = True
         if self.switch_step is None:
             if self.average_grads and self.world_size > 1:
                 self._average_gradients()
@@ -336,8 +281,8 @@ class OneBitAdam(Optimizer):
         return loss
 
     def _check_ranks_agree(self) -> None:
-        """First step: every rank must run the same configuration, or the ranks would switch
-        stages at different steps or lay out the compressed momentum differently."""
+        """First step (and first after a resume): every rank must run the same configuration,
+        or the ranks would switch stages at different steps or lay the units out differently."""
         params = self._trainable()
         config = {
             "freeze_step": self.freeze_step,
@@ -345,6 +290,8 @@ class OneBitAdam(Optimizer):
             "scale": SCALE_RULES.index(self.scale),
             "mask_zero_variance": int(self.mask_zero_variance),
             "compress_momentum": int(self.compress_momentum),
+            "bucket bytes": self._unit_cap_bytes,
+            "global_step": self.global_step,
             "trainable parameters": len(params),
             "trainable values": sum(p.numel() for p in params),
         }
@@ -377,7 +324,7 @@ class OneBitAdam(Optimizer):
                 if not state:
                     self._init_state(p)
                 state["step"] += 1
-                _adam_update_(
+                adam_update_(
                     p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"].item(),
                     lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                     weight_decay=group["weight_decay"],
@@ -416,8 +363,8 @@ class OneBitAdam(Optimizer):
                          self.process_group)
         world = self.world_size
         flat[:total].div_(world)
-        self._uncompressed_sent += _ring_bytes(flat.nbytes, world)
-        self._uncompressed_dense += _ring_bytes(4 * total, world)
+        self._warmup_sent += _ring_bytes(flat.nbytes, world)
+        self._warmup_dense += _ring_bytes(4 * total, world)
         offset = 0
         for i, p in enumerate(params):
             view = flat[offset : offset + p.numel()].view_as(p)
@@ -431,97 +378,74 @@ class OneBitAdam(Optimizer):
 
     # --------------------------------------------------------------------------- compression
     def _freeze(self) -> None:
-        """End of step ``freeze_step``: fix the variance, move every momentum into one flat fp32
-        buffer (``state['exp_avg']`` become views of it) and build the compressed allreduce."""
-        params = self._trainable()
-        for p in params:
+        """End of step ``freeze_step``: fix the variance (the units are built at first use)."""
+        for p in self._trainable():
             if not self.state[p]:
-                self._init_state(p)  # never had a gradient: v == 0, fully masked below
+                self._init_state(p)  # never had a gradient: v == 0, fully masked
             self.state[p]["frozen_step"] = self.state[p]["step"].clone()
-        if not self.momentum_from_hook:
-            self._build_flat_state(params)
         self.switch_step = self.global_step
 
-    def _build_flat_state(self, params: list[torch.Tensor]) -> None:
-        total = sum(p.numel() for p in params)
-        device = params[0].device
-        flat = torch.empty(total, dtype=torch.float32, device=device)
-        keep = torch.empty(total, dtype=torch.bool, device=device)
-        offset = 0
-        for p in params:
-            state = self.state[p]
-            n = p.numel()
-            flat[offset : offset + n].copy_(state["exp_avg"].reshape(-1))
-            state["exp_avg"] = flat[offset : offset + n].view_as(p)
-            keep[offset : offset + n] = self.momentum_keep_mask(p)
-            offset += n
-        self._masked_coords = keep.logical_not().nonzero().view(-1)
-        flat.index_fill_(0, self._masked_coords, 0.0)
-        self._flat_momentum = flat
-        # The folded local momentum goes here, so that a skipped step leaves exp_avg untouched.
-        self._local_momentum = torch.empty_like(flat)
-        self.comm = CompressedAllreduce(
-            total, self.process_group, max_block=self.max_block, scale=self.scale, mask=keep,
-            device=device, timeout=self.comm_timeout,
-        )
+    def _keep(self, p: torch.Tensor) -> torch.Tensor:
+        """Flat bool mask of ``p``'s coordinates that take part in the compression stage."""
+        keep = torch.ones(p.numel(), dtype=torch.bool, device=p.device)
+        if self.mask_zero_variance:
+            keep &= self.state[p]["exp_avg_sq"].reshape(-1) != 0
+        if p in self._masks:
+            keep &= self._masks[p].reshape(-1)
+        return keep
+
+    def _build_units(self) -> None:
+        """Move every momentum into its unit (``state['exp_avg']`` become views) and load the
+        units' saved errors, if a checkpoint left some."""
+        hyper = {p: g for g in self.param_groups for p in g["params"]}
+        saved = self._saved.pop("units", None)
+        if saved is not None:
+            self._unit_cap_bytes = self._saved.pop("unit_cap_bytes")
+        self._units = []
+        for params in partition(self._trainable(), self._unit_cap_bytes):
+            unit = MomentumUnit(params, [self.state[p]["exp_avg"] for p in params],
+                                [self._keep(p) for p in params], [hyper[p] for p in params],
+                                self.communicator)
+            for p in params:
+                self.state[p]["exp_avg"] = unit.view(p)
+            self._units.append(unit)
+        self._unit_of = {p: u for u in self._units for p in u.params}
+        if saved is not None:
+            if len(saved) != len(self._units):
+                raise ValueError(f"the checkpoint holds {len(saved)} momentum units, this "
+                                 f"optimizer has {len(self._units)}")
+            for unit, state in zip(self._units, saved, strict=True):
+                unit.load_state_dict(state)
 
     def _compression_step(self) -> None:
-        if self.momentum_from_hook:
-            # The hook averaged the momentum during backward; p.grad carries it, possibly
-            # clipped since (by the same global norm on every rank, so still identical).
-            skipped = self._skipped_by_hook
-            for p in self._trainable():
-                if p.grad is not None and p not in skipped:
-                    self.state[p]["exp_avg"].copy_(p.grad)
-            if skipped:
-                self.skipped_steps += 1
-            self._apply_frozen_updates(skip=skipped)
-            skipped.clear()
-            return
-        if self._fold_and_average():
-            self._apply_frozen_updates()
-        else:
+        """Every unit the DDP hook did not average during backward is folded and averaged here,
+        now; the step is skipped on every rank if any unit came back non-finite."""
+        averaged, self._averaged = self._averaged, {}
+        ok = True
+        for unit in self.units:
+            if unit in averaged:
+                ok &= averaged[unit]
+                continue
+            for p in unit.params:
+                unit.fold_(p, p.grad)
+            ok &= unit.reduce_(self.communicator)
+        if not ok:
             self.skipped_steps += 1
-
-    def _fold_and_average(self) -> bool:
-        """Fold the local gradients into a copy of the momentum, average it into exp_avg.
-        False (exp_avg untouched) when some rank's gradient was not finite."""
-        local, offset = self._local_momentum, 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.requires_grad:
-                    _fold_gradient_(
-                        self.state[p]["exp_avg"], p.grad, p, beta1=group["betas"][0],
-                        weight_decay=group["weight_decay"],
-                        decoupled=group["decoupled_weight_decay"],
-                        out=local[offset : offset + p.numel()].view_as(p),
-                    )
-                    offset += p.numel()
-        world = self.world_size
-        if world > 1 and self.compress_momentum:
-            self.comm(local, out=self._flat_momentum)
-            return not self.comm.last_call_skipped
-        if world > 1:
-            work = dist.all_reduce(local, group=self.process_group, async_op=True)
-            wait_collectives([work], self.comm_timeout, "the momentum allreduce",
-                             self.process_group)
-            local.div_(world)
-            self.count_uncompressed(local.nbytes)
-        if not all_finite([local]):  # the same on every rank after the allreduce
-            return False
-        local.index_fill_(0, self._masked_coords, 0.0)
-        self._flat_momentum.copy_(local)
-        return True
-
-    def _apply_frozen_updates(self, skip: set | frozenset = frozenset()) -> None:
+            return
+        for unit in self.units:
+            if unit not in averaged:
+                unit.momentum.copy_(unit.local)
+                continue
+            for p in unit.params:  # possibly clipped since, identically on every rank
+                unit.view(p).copy_(unit.view(p, unit.local) if p.grad is None else p.grad)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
-                if not p.requires_grad or p in skip:
+                if not p.requires_grad:
                     continue
                 state = self.state[p]
                 state["step"] += 1
-                _frozen_update_(
+                frozen_update_(
                     p, state["exp_avg"], state["exp_avg_sq"], state["step"].item(),
                     state["frozen_step"].item(), lr=group["lr"], beta1=beta1, beta2=beta2,
                     eps=group["eps"], weight_decay=group["weight_decay"],
@@ -538,21 +462,20 @@ class OneBitAdam(Optimizer):
 
     def onebit_state_dict(self) -> dict:
         """What Adam's state does not hold: the stage, the switch step, byte counters and this
-        rank's error buffers (flat, or per DDP bucket). Errors differ between ranks: each rank
-        must save its own (the Lightning strategy and the Accelerate flag do)."""
-        hook = {k: c.state_dict() for k, c in self._hook_comms.items()}
-        hook.update({k: v for k, v in self._saved_hook_comms.items() if k not in hook})
+        rank's error buffers, per momentum unit. Errors differ between ranks: each rank must
+        save its own (the Lightning strategy and the Accelerate flag do)."""
+        units = ([u.state_dict() for u in self._units] if self._units is not None
+                 else self._saved.get("units"))
         return {
             "global_step": self.global_step,
             "freeze_step": self.freeze_step,
             "switch_step": self.switch_step,
+            "skipped_steps": self.skipped_steps,
             "world_size": self.world_size,
-            "uncompressed_sent": self._uncompressed_sent,
-            "uncompressed_dense": self._uncompressed_dense,
-            "retired_sent": self._retired_sent,
-            "retired_dense": self._retired_dense,
-            "comm": self.comm.state_dict() if self.comm is not None else None,
-            "hook_comms": hook,
+            "warmup_counts": (self._warmup_sent, self._warmup_dense),
+            "compression_counts": self._compression_counts(),
+            "unit_cap_bytes": self._unit_cap_bytes,
+            "units": units,
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -568,17 +491,18 @@ class OneBitAdam(Optimizer):
         for p, tensors in fp32.items():
             for k, v in tensors.items():
                 self.state[p][k] = v.to(device=p.device if k != "step" else v.device, copy=True)
-        self.state_version += 1
-        self.comm, self._flat_momentum = None, None
+        self._units, self._unit_of, self._averaged = None, {}, {}  # rebuilt from the new state
+        self._settings_checked = False
         if onebit is not None:
             self.load_onebit_state_dict(onebit)
-        elif self.switch_step is not None and not self.momentum_from_hook:
-            self._build_flat_state(self._trainable())
 
     def load_onebit_state_dict(self, onebit: dict) -> None:
         """Load an :meth:`onebit_state_dict` (after Adam's state is in place): also how a rank
         puts back its own error buffers when the rest came from rank 0's checkpoint."""
-        saved_world = onebit.get("world_size", self.world_size)
+        if "units" not in onebit:
+            raise ValueError("this OneBitAdam state was saved by an older onebit-plugin "
+                             "(no momentum units); resume it with that version")
+        saved_world = onebit["world_size"]
         if onebit["switch_step"] is not None and saved_world != self.world_size:
             raise ValueError(
                 f"this OneBitAdam state was saved in the compression stage by {saved_world} "
@@ -587,20 +511,19 @@ class OneBitAdam(Optimizer):
             )
         self.global_step = int(onebit["global_step"])
         self.switch_step = onebit["switch_step"]
-        self._uncompressed_sent = int(onebit["uncompressed_sent"])
-        self._uncompressed_dense = int(onebit["uncompressed_dense"])
-        saved_hook = dict(onebit.get("hook_comms") or {})
-        self._retired_sent = int(onebit.get("retired_sent", 0))
-        self._retired_dense = int(onebit.get("retired_dense", 0))
-        self._retired_sent += sum(int(c["bytes_sent"]) for c in saved_hook.values())
-        self._retired_dense += sum(int(c["dense_bytes"]) for c in saved_hook.values())
-        self._hook_comms, self._saved_hook_comms = {}, saved_hook
-        self.state_version += 1
-        self.comm, self._flat_momentum = None, None
-        if self.switch_step is not None and not self.momentum_from_hook:
-            self._build_flat_state(self._trainable())
-            if onebit["comm"] is not None:
-                self.comm.load_state_dict(onebit["comm"])
+        self.skipped_steps = int(onebit["skipped_steps"])
+        self._warmup_sent, self._warmup_dense = onebit["warmup_counts"]
+        self._comm = None
+        self._saved = {"counts": tuple(onebit["compression_counts"])}
+        if onebit["units"] is not None:
+            self._saved.update(units=onebit["units"], unit_cap_bytes=onebit["unit_cap_bytes"])
+        self._units, self._unit_of, self._averaged = None, {}, {}
+        self._settings_checked = False
+
+    def __getstate__(self) -> dict:
+        # torch's Optimizer pickles only defaults, state and param_groups; keep ours too, less
+        # the process groups (an unpickled optimizer runs on the default group).
+        return {**self.__dict__, "process_group": None, "_comm_group": None}
 
 
 SUPPORTED_SETUPS = (

@@ -122,7 +122,7 @@ def _lockstep_worker(rank, world):
         stages.append(opt.stage)
         check_lockstep(ddp.parameters(), opt)
     return ([p.detach() for p in ddp.parameters()], stages, opt.switch_step, state.overlap,
-            len(state.groups), opt.bytes_sent, opt.dense_bytes)
+            len(opt.units), opt.bytes_sent, opt.dense_bytes)
 
 
 def test_hook_lockstep_with_accumulation_and_unused_parameters():
@@ -168,7 +168,8 @@ def _pickle_worker(rank, world):
     for step in range(3):
         _step(ddp, opt, rank, step)
     clone = pickle.loads(pickle.dumps(state))
-    return clone.process_group is None and clone.comm_group is None and len(clone.groups) > 0
+    return (clone.process_group is None and clone.comm_group is None
+            and len(clone.optimizer.units) > 0)
 
 
 def test_hook_state_pickles_without_process_group():

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from onebit_plugin import OneBitAdam, check_lockstep
+from onebit_plugin import CompressedAllreduce, OneBitAdam, check_lockstep
 from tests.dist_helpers import assert_ranks_identical, run_ranks
 
 
@@ -120,7 +120,8 @@ def _compression_worker(rank, world, dtype, freeze, steps):
         "param_dtype": embedding.dtype,
         "unseen_rows": (embedding.detach()[20:].clone(), _decayed(unseen_before, steps)),
         "unseen_momentum": state["exp_avg"][20:].abs().max().item(),
-        "bytes": (opt.bytes_sent, opt.dense_bytes, opt.comm.bytes_sent, opt.comm.dense_bytes),
+        "bytes": (opt.bytes_sent, opt.dense_bytes, opt.communicator.bytes_sent,
+                  opt.communicator.dense_bytes),
     }
 
 
@@ -149,7 +150,7 @@ def test_single_process_is_frozen_variance_adam():
         opt.zero_grad()
         _loss(model, _batch(step)).backward()
         opt.step()
-    assert opt.stage == "compression" and opt.comm is not None
+    assert opt.stage == "compression" and len(opt.units) == 1
     w = model[2].weight
     v_frozen = opt.state[w]["exp_avg_sq"].clone()
     m = opt.state[w]["exp_avg"].clone()
@@ -298,8 +299,13 @@ def test_copy_of_optimizer_pickles_without_process_group():
     opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=1)
     _loss(model, _batch(0)).backward()
     opt.step()
-    clone = copy.deepcopy(opt.comm)
-    assert clone.group is None and torch.equal(clone.worker_error, opt.comm.worker_error)
+    clone = copy.deepcopy(opt)
+    assert clone.communicator.group is None and clone.process_group is None
+    assert torch.equal(clone.units[0].momentum, opt.units[0].momentum)
+    state = CompressedAllreduce(10)
+    state(torch.randn(10))
+    copied = copy.deepcopy(state)
+    assert copied.group is None and torch.equal(copied.worker_error, state.worker_error)
 
 
 def _resume_worker(rank, world, tmp):

@@ -1,0 +1,108 @@
+"""Momentum units: the one layout in which the compression stage averages the momentum.
+
+A unit is a fixed set of parameters (cut once by :func:`partition`) whose momenta live in one
+flat fp32 buffer (the optimizer's ``state['exp_avg']`` are views of it), with a fold buffer for
+the local momentum, the mask of coordinates that take part, the communicator's plan and the
+error buffers. Both paths run the same units: ``OneBitAdam.step()`` folds and reduces them one
+after another when nothing else did, the DDP comm hook folds each gradient as its bucket is ready
+and reduces a unit in the background as soon as all its gradients are in. The units do not follow
+DDP's buckets, which DDP rebuilds after the first iteration of every run: a resumed run
+compresses in the same layout as the uninterrupted one (docs/design.md, "Momentum units").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from onebit_plugin.update import fold_gradient_
+
+__all__ = ["MomentumUnit", "partition"]
+
+
+def partition(params: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
+    """Cut ``params`` into units in reverse order (as backward usually produces gradients),
+    each up to ``cap_bytes`` of fp32 momentum (a larger parameter gets a unit of its own)."""
+    units, current, size = [], [], 0
+    for p in reversed(params):
+        if current and size + 4 * p.numel() > cap_bytes:
+            units.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += 4 * p.numel()
+    if current:
+        units.append(current)
+    return units
+
+
+class MomentumUnit:
+    """The momenta of ``params`` in one flat buffer, averaged together.
+
+    Args:
+        params: the unit's parameters, in layout order.
+        momenta: their current fp32 momenta (copied in; use :meth:`view` from then on).
+        keeps: per parameter, a flat bool tensor: False coordinates keep a zero momentum.
+        hypers: per parameter, its optimizer param-group dict (read at every fold, so LR and
+            beta schedules take effect).
+        comm: the communicator whose plan (layout, mask) and error buffers the unit keeps.
+    """
+
+    __slots__ = ("params", "offsets", "hypers", "momentum", "local", "plan", "errors")
+
+    def __init__(self, params, momenta, keeps, hypers, comm):
+        self.params = list(params)
+        self.hypers = dict(zip(self.params, hypers, strict=True))
+        numel = sum(p.numel() for p in self.params)
+        device = self.params[0].device
+        self.momentum = torch.empty(numel, dtype=torch.float32, device=device)
+        self.offsets, offset = {}, 0
+        for p, m in zip(self.params, momenta, strict=True):
+            self.offsets[p] = offset
+            self.momentum[offset : offset + p.numel()].copy_(m.reshape(-1))
+            offset += p.numel()
+        keep = torch.cat([k.reshape(-1) for k in keeps])
+        self.momentum.masked_fill_(keep.logical_not(), 0.0)
+        # Gradients are folded into this copy; the average replaces it in place, and reaches
+        # the momentum only once every unit of the step came back finite.
+        self.local = torch.empty_like(self.momentum)
+        self.plan = comm.plan(numel, keep, device)
+        self.errors = self.plan.new_errors()
+
+    def view(self, p: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """``p``'s slice of the momentum (or of ``buffer``), shaped like ``p``."""
+        start = self.offsets[p]
+        buffer = self.momentum if buffer is None else buffer
+        return buffer[start : start + p.numel()].view_as(p)
+
+    def fold_(self, p: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """Fold ``p``'s local gradient into the unit's local momentum."""
+        hyper = self.hypers[p]
+        fold_gradient_(self.view(p), grad, p, beta1=hyper["betas"][0],
+                       weight_decay=hyper["weight_decay"],
+                       decoupled=hyper["decoupled_weight_decay"], out=self.view(p, self.local))
+
+    def reduce_(self, comm) -> bool:
+        """Average the local momentum in place, now; False when some rank's was not finite."""
+        return comm.reduce_(self.local, self.plan, self.errors)
+
+    def submit(self, comm) -> torch.futures.Future:
+        """:meth:`reduce_` on the communicator's background thread."""
+        return comm.submit(self.local, self.plan, self.errors)
+
+    def state_dict(self) -> dict:
+        """This rank's error buffers (they differ between ranks)."""
+        return {"numel": self.momentum.numel(),
+                **{name: e.clone() for name, e in self.errors.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load this rank's error buffers; those of masked coordinates are cleared (the mask may
+        have changed since they were saved)."""
+        if state["numel"] != self.momentum.numel() or set(state) - {"numel"} != set(self.errors):
+            raise ValueError(
+                f"saved momentum-unit state ({state['numel']} values, errors "
+                f"{sorted(set(state) - {'numel'})}) does not fit this unit "
+                f"({self.momentum.numel()} values, errors {sorted(self.errors)}): save and "
+                "resume with the same parameters, bucket_cap_mb and compress_momentum"
+            )
+        for name, e in self.errors.items():
+            e.copy_(state[name])
+        self.plan.clear_masked_(self.errors)

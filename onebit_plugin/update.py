@@ -1,0 +1,73 @@
+"""The three pure update functions of 1-bit Adam, in the manner of torchao's optimizers.
+
+Whoever runs a step imports them from here: ``OneBitAdam.step()`` (warm-up and frozen update) and
+the momentum units (the fold, in ``step()`` without DDP or inside backward with the DDP hook).
+One fp32 pattern throughout: optimizer state is fp32; a bf16/fp16 parameter or gradient is
+read through an fp32 copy and the parameter is rounded back once per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["adam_update_", "fold_gradient_", "frozen_update_"]
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def _write_back(param: torch.Tensor, p32: torch.Tensor) -> None:
+    if p32 is not param:
+        param.copy_(p32)
+
+
+def adam_update_(
+    param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+    step: float, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+    decoupled: bool,
+) -> None:
+    """One Adam/AdamW step, the same operations in the same order as torch's single-tensor Adam
+    (so fp32 results are bitwise equal)."""
+    p, grad = _fp32(param), _fp32(grad)
+    if weight_decay != 0:
+        if decoupled:
+            p.mul_(1 - lr * weight_decay)
+        else:
+            grad = grad.add(p, alpha=weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
+    p.addcdiv_(exp_avg, denom, value=-(lr / (1 - beta1**step)))
+    _write_back(param, p)
+
+
+def fold_gradient_(
+    exp_avg: torch.Tensor, grad: torch.Tensor | None, param: torch.Tensor, *, beta1: float,
+    weight_decay: float, decoupled: bool, out: torch.Tensor,
+) -> None:
+    """``out = b1 * m + (1 - b1) * g`` with a *local* gradient (coupled weight decay folded in);
+    ``m`` is left alone until the average comes back. A missing gradient counts as zero: every
+    rank must still send its momentum."""
+    if grad is None:
+        torch.mul(exp_avg, beta1, out=out)
+        return
+    grad = _fp32(grad)
+    if weight_decay != 0 and not decoupled:
+        grad = grad.add(param, alpha=weight_decay)
+    torch.lerp(exp_avg, grad, 1 - beta1, out=out)
+
+
+def frozen_update_(
+    param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: float,
+    frozen_step: float, *, lr: float, beta1: float, beta2: float, eps: float,
+    weight_decay: float, decoupled: bool,
+) -> None:
+    """The compression-stage update: the averaged momentum over the variance frozen at
+    ``frozen_step`` (its bias correction frozen with it)."""
+    p = _fp32(param)
+    if weight_decay != 0 and decoupled:
+        p.mul_(1 - lr * weight_decay)
+    denom = (exp_avg_sq.sqrt() / (1 - beta2**frozen_step) ** 0.5).add_(eps)
+    p.addcdiv_(exp_avg, denom, value=-(lr / (1 - beta1**step)))
+    _write_back(param, p)
