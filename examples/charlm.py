@@ -2,7 +2,7 @@
 Python itself (``pydoc_data.topics``, about 465 KB of English text and code).
 
 Tokens are UTF-8 bytes (vocabulary 256), so most embedding rows never see a gradient -- the case
-where a plain 1-bit Adam diverges (design notes, section 6).
+where a plain 1-bit Adam diverges (docs/design.md, "Masks").
 """
 
 from __future__ import annotations

@@ -80,6 +80,18 @@ class CharModule(pl.LightningModule):
         stage = getattr(opt, "stage", "warmup")
         self.step_times[stage].append(time.perf_counter() - self._t0)
 
+    def on_fit_end(self):
+        # Written by every rank, also under "onebit_adam_spawn"/"_fork", whose workers end here.
+        opt = self.trainer.optimizers[0]
+        callback = next((c for c in self.trainer.callbacks if hasattr(c, "lockstep_checks")),
+                        None)
+        torch.save({"params": [p.detach().cpu() for p in self.parameters()],
+                    "stage": getattr(opt, "stage", None),
+                    "switch_step": getattr(opt, "switch_step", None),
+                    "global_step": self.trainer.global_step,
+                    "lockstep_checks": getattr(callback, "lockstep_checks", None)},
+                   Path(self.args.out) / f"rank{self.global_rank}.pt")
+
     def configure_optimizers(self):
         a = self.args
         if a.optimizer == "adam":
@@ -90,6 +102,9 @@ class CharModule(pl.LightningModule):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--optimizer", choices=["onebit", "adam"], default="onebit")
+    p.add_argument("--strategy", default="onebit_adam",
+                   choices=["onebit_adam", "onebit_adam_spawn", "onebit_adam_fork"],
+                   help="how Lightning starts the processes (with --optimizer onebit)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--freeze-step", type=int, default=60)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -132,7 +147,7 @@ def main(argv=None) -> None:
             dirpath=out / "ckpt", every_n_train_steps=args.ckpt_every, save_top_k=-1,
             filename="{step}",
         ))
-    strategy = "onebit_adam" if args.optimizer == "onebit" else "ddp"
+    strategy = args.strategy if args.optimizer == "onebit" else "ddp"
     trainer = pl.Trainer(
         strategy=strategy, accelerator=args.accelerator, devices=args.devices,
         num_nodes=args.num_nodes, precision=args.precision, max_steps=args.steps,
@@ -145,16 +160,13 @@ def main(argv=None) -> None:
     )
     module = CharModule(args, train)
     trainer.fit(module, train_loader, val_loader, ckpt_path=args.resume)
+    if strategy != "onebit_adam" and strategy != "ddp":
+        return  # spawn/fork: the workers have ended; each wrote its rank file in on_fit_end
     val_loss = trainer.validate(module, val_loader, verbose=False)[0]["val_loss"]
     test_loss = trainer.test(module, val_loader, verbose=False)[0]["test_loss"] if args.test \
         else None
     opt = trainer.optimizers[0]
     rank = trainer.global_rank
-    torch.save({"params": [p.detach().cpu() for p in module.parameters()],
-                "stage": getattr(opt, "stage", None),
-                "switch_step": getattr(opt, "switch_step", None),
-                "global_step": trainer.global_step},
-               out / f"rank{rank}.pt")
     n_params = sum(p.numel() for p in module.parameters())
     world = trainer.world_size
     # Uncompressed DDP: every step allreduces every gradient in fp32 (ring: 2 (W-1)/W bytes).

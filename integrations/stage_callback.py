@@ -44,6 +44,7 @@ def make_callback_class(pl, module: str):
             self.switch_logged = False
             self.switch_step: int | None = None
             self._last_step = 0  # the optimizer's step count last acted on
+            self.lockstep_checks = 0  # run in this process
 
         def on_train_start(self, trainer, pl_module) -> None:
             opt = self._optimizer(trainer)
@@ -79,6 +80,7 @@ def make_callback_class(pl, module: str):
                               on_step=True, on_epoch=False)
             if self.check_every and step % self.check_every == 0:
                 check_lockstep(pl_module.parameters(), opt)
+                self.lockstep_checks += 1
             every = max(1, trainer.log_every_n_steps)
             if step % every == 0:
                 metrics = {

@@ -1,8 +1,9 @@
 """Triton kernels of the compressed allreduce: one fused pass per stage, one program per block.
 
-Each program owns one block of ``block`` values (a multiple of 8, at most 2048 by default) and
-views it as a ``(BYTES, 8)`` tile, so the 8 signs that share a byte sit in one row: packing is a
-shift-and-sum along that row, unpacking a shift-and-and. The torch reference in
+Each program owns one block of ``block`` values (a multiple of 8) and views it as a ``(BYTES, 8)``
+tile, so the 8 signs that share a byte sit in one row: packing is a shift-and-sum along that row,
+unpacking a shift-and-and. The shared ``@triton.jit`` helpers below address a block, encode and
+decode it; the three kernels only combine them. The torch reference in
 ``onebit_plugin.compression`` defines the exact semantics; the packed bits match it bit for bit
 and scales/errors to fp32 rounding (the block sums are reduced in a different order).
 
@@ -19,130 +20,121 @@ from onebit_plugin.compression import ChunkLayout, CoordinateMask
 
 
 @triton.jit
-def _block_scale(c, count, RMS: tl.constexpr):
-    if RMS:
-        # sqrt_rn: correctly rounded, like torch.sqrt (plain sqrt may be approximate on GPUs).
-        return tl.sqrt_rn(tl.sum(tl.sum(c * c, axis=1), axis=0) / count)
-    return tl.sum(tl.sum(tl.abs(c), axis=1), axis=0) / count
-
-
-@triton.jit
-def _worker_compress_kernel(
-    x_ptr,
-    err_ptr,
-    mask_ptr,
-    counts_ptr,
-    packed_ptr,
-    scales_ptr,
-    n,
-    block,
-    BYTES: tl.constexpr,
-    RMS: tl.constexpr,
-):
+def _block_tile(block, BYTES: tl.constexpr):
+    """This program's block: ``(rows, cols)`` of the byte tile, flat offsets of its values,
+    which of them lie inside the block, and the byte offsets of its packed signs."""
     pid = tl.program_id(0).to(tl.int64)
     rows = tl.arange(0, BYTES)
     cols = tl.arange(0, 8)
     local = rows[:, None] * 8 + cols[None, :]
-    in_block = local < block
-    offs = pid * block + local
+    return pid, rows, cols, pid * block + local, local < block, pid * (block // 8) + rows
+
+
+@triton.jit
+def _decode(byte, cols, scale):
+    """``+-scale`` per bit of a column of bytes (bit i of a byte is its value 8k+i)."""
+    bit = (byte.to(tl.int32)[:, None] >> cols[None, :]) & 1
+    return tl.where(bit != 0, scale, -scale)
+
+
+@triton.jit
+def _encode_store(c, keep, count, cols, rows, block, packed_ptr, byte_offs, scales_ptr, pid,
+                  RMS: tl.constexpr):
+    """Store the signs (``c >= 0`` set) and the block scale of ``c``; return the new error
+    ``c - decode`` (0 on masked coordinates)."""
+    if RMS:
+        # sqrt_rn: correctly rounded, like torch.sqrt (plain sqrt may be approximate on GPUs).
+        scale = tl.sqrt_rn(tl.sum(tl.sum(c * c, axis=1), axis=0) / count)
+    else:
+        scale = tl.sum(tl.sum(tl.abs(c), axis=1), axis=0) / count
+    positive = c >= 0
+    byte = tl.sum(positive.to(tl.int32) << cols[None, :], axis=1)
+    tl.store(packed_ptr + byte_offs, byte.to(tl.uint8), mask=rows < block // 8)
+    tl.store(scales_ptr + pid, scale)
+    return c - tl.where(keep, tl.where(positive, scale, -scale), 0.0)
+
+
+@triton.jit
+def _worker_compress_kernel(x_ptr, err_ptr, mask_ptr, counts_ptr, packed_ptr, scales_ptr, n,
+                            block, BYTES: tl.constexpr, RMS: tl.constexpr):
+    pid, rows, cols, offs, in_block, byte_offs = _block_tile(block, BYTES)
     keep = tl.load(mask_ptr + offs, mask=in_block, other=0) != 0
     x = tl.load(x_ptr + offs, mask=in_block & (offs < n), other=0.0).to(tl.float32)
     err = tl.load(err_ptr + offs, mask=in_block, other=0.0)
     c = tl.where(keep, x + err, 0.0)
-    scale = _block_scale(c, tl.load(counts_ptr + pid), RMS)
-    positive = c >= 0
-    byte = tl.sum(positive.to(tl.int32) << cols[None, :], axis=1)
-    tl.store(packed_ptr + pid * (block // 8) + rows, byte.to(tl.uint8), mask=rows < block // 8)
-    tl.store(scales_ptr + pid, scale)
-    decoded = tl.where(keep, tl.where(positive, scale, -scale), 0.0)
-    tl.store(err_ptr + offs, c - decoded, mask=in_block)
+    new_err = _encode_store(c, keep, tl.load(counts_ptr + pid), cols, rows, block, packed_ptr,
+                            byte_offs, scales_ptr, pid, RMS)
+    tl.store(err_ptr + offs, new_err, mask=in_block)
 
 
 @triton.jit
-def _server_compress_kernel(
-    recv_packed_ptr,
-    recv_scales_ptr,
-    err_ptr,
-    mask_ptr,
-    counts_ptr,
-    packed_ptr,
-    scales_ptr,
-    world,
-    block,
-    blocks_per_chunk,
-    BYTES: tl.constexpr,
-    RMS: tl.constexpr,
-):
-    pid = tl.program_id(0).to(tl.int64)
-    rows = tl.arange(0, BYTES)
-    cols = tl.arange(0, 8)
-    local = rows[:, None] * 8 + cols[None, :]
-    in_block = local < block
-    offs = pid * block + local
-    row_ok = rows < block // 8
-    byte_offs = pid * (block // 8) + rows
+def _server_compress_kernel(recv_packed_ptr, recv_scales_ptr, err_ptr, mask_ptr, counts_ptr,
+                            packed_ptr, scales_ptr, world, block, blocks_per_chunk,
+                            BYTES: tl.constexpr, RMS: tl.constexpr):
+    pid, rows, cols, offs, in_block, byte_offs = _block_tile(block, BYTES)
     chunk_bytes = blocks_per_chunk * (block // 8)
     total = tl.zeros((BYTES, 8), dtype=tl.float32)
     # Senders in rank order, as the torch reference sums them.
     for k in range(world):
-        byte = tl.load(recv_packed_ptr + k * chunk_bytes + byte_offs, mask=row_ok, other=0)
-        bit = (byte.to(tl.int32)[:, None] >> cols[None, :]) & 1
-        s = tl.load(recv_scales_ptr + k * blocks_per_chunk + pid)
-        total += tl.where(bit != 0, s, -s)
+        byte = tl.load(recv_packed_ptr + k * chunk_bytes + byte_offs, mask=rows < block // 8,
+                       other=0)
+        total += _decode(byte, cols, tl.load(recv_scales_ptr + k * blocks_per_chunk + pid))
     keep = tl.load(mask_ptr + offs, mask=in_block, other=0) != 0
     err = tl.load(err_ptr + offs, mask=in_block, other=0.0)
     y = tl.where(keep, total / world, 0.0) + err
-    scale = _block_scale(y, tl.load(counts_ptr + pid), RMS)
-    positive = y >= 0
-    out_byte = tl.sum(positive.to(tl.int32) << cols[None, :], axis=1)
-    tl.store(packed_ptr + byte_offs, out_byte.to(tl.uint8), mask=row_ok)
-    tl.store(scales_ptr + pid, scale)
-    decoded = tl.where(keep, tl.where(positive, scale, -scale), 0.0)
-    tl.store(err_ptr + offs, y - decoded, mask=in_block)
+    new_err = _encode_store(y, keep, tl.load(counts_ptr + pid), cols, rows, block, packed_ptr,
+                            byte_offs, scales_ptr, pid, RMS)
+    tl.store(err_ptr + offs, new_err, mask=in_block)
 
 
 @triton.jit
 def _decompress_kernel(packed_ptr, scales_ptr, mask_ptr, out_ptr, n, block, BYTES: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    rows = tl.arange(0, BYTES)
-    cols = tl.arange(0, 8)
-    local = rows[:, None] * 8 + cols[None, :]
-    in_block = local < block
-    offs = pid * block + local
-    byte = tl.load(packed_ptr + pid * (block // 8) + rows, mask=rows < block // 8, other=0)
-    bit = (byte.to(tl.int32)[:, None] >> cols[None, :]) & 1
-    scale = tl.load(scales_ptr + pid)
+    pid, rows, cols, offs, in_block, byte_offs = _block_tile(block, BYTES)
+    byte = tl.load(packed_ptr + byte_offs, mask=rows < block // 8, other=0)
     keep = tl.load(mask_ptr + offs, mask=in_block, other=0) != 0
-    value = tl.where(keep, tl.where(bit != 0, scale, -scale), 0.0)
+    value = tl.where(keep, _decode(byte, cols, tl.load(scales_ptr + pid)), 0.0)
     tl.store(out_ptr + offs, value.to(out_ptr.dtype.element_ty), mask=in_block & (offs < n))
 
 
-def _tile_bytes(block: int) -> int:
-    return max(2, triton.next_power_of_2(block // 8))
+def _launch_config(layout: ChunkLayout, *tensors: torch.Tensor) -> dict:
+    """``BYTES`` and ``num_warps`` for the layout's block, after checking that every tensor is
+    contiguous and on one device (a kernel reads raw pointers: a strided or foreign tensor would
+    be read wrongly or fault)."""
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"kernel arguments on several devices: {sorted(map(str, devices))}")
+    for t in tensors:
+        if not t.is_contiguous():
+            raise ValueError(f"kernel argument of shape {tuple(t.shape)} is not contiguous")
+    tile = max(2, triton.next_power_of_2(layout.block // 8))
+    # One warp per 256 values of the block (32 lanes x 8 values), 1 to 8 warps.
+    return {"BYTES": tile, "num_warps": min(8, max(1, tile // 32))}
 
 
 def worker_compress(x, error, mask: CoordinateMask, layout: ChunkLayout, packed, scales) -> None:
     """Launcher of the worker pass; arguments as ``onebit_plugin.compression.worker_compress``."""
+    config = _launch_config(layout, x, error, mask.keep, packed, scales)
     _worker_compress_kernel[(layout.num_blocks,)](
         x.view(-1), error, mask.keep.view(torch.uint8), mask.counts, packed, scales,
-        layout.numel, layout.block, BYTES=_tile_bytes(layout.block),
-        RMS=layout.scale == "rms",
+        layout.numel, layout.block, RMS=layout.scale == "rms", **config,
     )
 
 
 def server_compress(recv_packed, recv_scales, error, mask: CoordinateMask, layout: ChunkLayout,
                     packed, scales) -> None:
     """Launcher of the server pass; arguments as ``onebit_plugin.compression.server_compress``."""
+    config = _launch_config(layout, recv_packed, recv_scales, error, mask.keep, packed, scales)
     _server_compress_kernel[(layout.blocks_per_chunk,)](
         recv_packed, recv_scales, error, mask.keep.view(torch.uint8), mask.counts, packed, scales,
         layout.world_size, layout.block, layout.blocks_per_chunk,
-        BYTES=_tile_bytes(layout.block), RMS=layout.scale == "rms",
+        RMS=layout.scale == "rms", **config,
     )
 
 
 def decompress(packed, scales, mask: CoordinateMask, layout: ChunkLayout, out) -> None:
     """Launcher of the final decode; arguments as ``onebit_plugin.compression.decompress``."""
+    config = _launch_config(layout, packed, scales, mask.keep, out)
     _decompress_kernel[(layout.num_blocks,)](
         packed, scales, mask.keep.view(torch.uint8), out.view(-1), layout.numel, layout.block,
-        BYTES=_tile_bytes(layout.block),
+        **config,
     )

@@ -2,7 +2,7 @@
 
 Every function here has a Triton twin in ``onebit_plugin.kernels.sign_compress``; these torch
 versions are the CPU path and the oracle the kernel tests compare against. The three stages are
-the three passes of the compressed allreduce (design notes, section 1):
+the three passes of the compressed allreduce (docs/design.md, "The algorithm"):
 
 * :func:`worker_compress` -- ``c = (x + error) * mask``, one fp32 scale per block, signs packed
   8 per byte, ``error = c - scale * sign(c) * mask``;
@@ -40,11 +40,11 @@ __all__ = [
 ]
 
 # 0x0102040810204080 moves byte i of an int64 (each byte 0 or 1) to bit 56 + i with no carries,
-# so one multiply and one shift pack 8 bools into a byte: 0.6 ms for 8M values on one core,
-# against 6.5 ms for a weighted sum over a (n/8, 8) view.
+# so one multiply and one shift pack 8 bools into a byte: about 10x faster than a weighted sum
+# over a (n/8, 8) view.
 _PACK_MAGIC = 0x0102040810204080
-# Decoding is one gather from a 256 x 8 table of +-1: 2.3 ms for 8M values on one core, ten
-# times faster than shifting and masking each bit.
+# Decoding is one gather from a 256 x 8 table of +-1: about 10x faster than shifting and
+# masking each bit.
 SCALE_RULES = ("rms", "mean")
 _SIGN_TABLES: dict[torch.device, torch.Tensor] = {}
 
@@ -120,7 +120,7 @@ class CoordinateMask:
 
     Holds the mask three ways, each built once: ``keep`` (bool, for the kernels), ``dropped``
     (indices of the False entries: zeroing them costs time in proportion to how few they are,
-    where a full masked pass over 8M values costs 5-8 ms on one core) and ``counts`` (kept
+    where a masked pass reads and writes every value) and ``counts`` (kept
     values per block, fp32, clamped to >= 1, the divisor of the block scale).
     """
 

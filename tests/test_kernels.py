@@ -118,3 +118,13 @@ def test_reference_bit_convention(scale):
     expected = (140.0 / 8) ** 0.5 if scale == "rms" else 28.0 / 8
     assert scales.item() == pytest.approx(expected)
     torch.testing.assert_close(err, x - expected * torch.where(x >= 0, 1.0, -1.0))
+
+
+def test_launchers_reject_strided_or_scattered_tensors():
+    layout, mask, _, error = _inputs(64, 1, 64, torch.float32)
+    packed = torch.empty(layout.padded_numel // 8, dtype=torch.uint8)
+    scales = torch.empty(layout.num_blocks)
+    with pytest.raises(ValueError, match=r"kernel argument of shape \(64,\) is not contiguous"):
+        kernels.worker_compress(torch.randn(128)[::2], error, mask, layout, packed, scales)
+    with pytest.raises(ValueError, match=r"several devices: \['cpu', 'meta'\]"):
+        kernels.decompress(packed, scales, mask, layout, torch.empty(64, device="meta"))

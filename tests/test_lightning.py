@@ -153,3 +153,69 @@ def test_strategy_registered_in_each_lightning_namespace(namespace):
     (result,) = run_ranks(_tiny_fit, 1, "onebit", "32-true", namespace)
     base_module, stage = result
     assert base_module == f"{namespace}.strategies.ddp" and stage == "compression"
+
+
+def _exact_lightning_worker(rank, world, compress):
+    """Lightning on an already initialised 2-rank group (LOCAL_RANK set: Lightning starts no
+    processes), next to the exact-allreduce reference of test_one_path on the same data."""
+    import os
+
+    import pytorch_lightning as pl
+
+    from onebit_plugin import OneBitAdam
+    from onebit_plugin.integrations.lightning import OneBitAdamStrategy
+    from tests.test_one_path import FREEZE, LR, STEPS, Uneven, _batch, _exact_reference
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world),
+                      RANK=str(rank))
+
+    class M(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = Uneven()
+
+        def training_step(self, batch, batch_idx):
+            tokens, y = _batch(self.global_rank, self.global_step)
+            return torch.nn.functional.cross_entropy(self.net(tokens), y)
+
+        def configure_optimizers(self):
+            return OneBitAdam(self.parameters(), lr=LR, freeze_step=FREEZE, weight_decay=0.01,
+                              compress_momentum=compress)
+
+    data = torch.utils.data.DataLoader(range(STEPS), batch_size=1)
+    trainer = pl.Trainer(strategy=OneBitAdamStrategy(bucket_cap_mb=0.004), accelerator="cpu",
+                         devices=world, max_steps=STEPS, use_distributed_sampler=False,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    module = M()
+    trainer.fit(module, data)
+    return ([p.detach().clone() for p in module.net.parameters()], _exact_reference(rank),
+            len(trainer.optimizers[0].units))
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_lightning_compress_momentum_false_is_the_exact_allreduce(compress):
+    for lightning, exact, units in run_ranks(_exact_lightning_worker, 2, compress):
+        assert units >= 3
+        same = all(torch.equal(a, b) for a, b in zip(lightning, exact, strict=True))
+        assert same != compress  # exact when asked; the 1-bit exchange is not
+
+
+@pytest.mark.parametrize("strategy", ["onebit_adam_spawn", "onebit_adam_fork"])
+def test_spawn_and_fork_strategies_fit_on_two_processes(tmp_path, strategy):
+    """Lightning pickles the trainer, strategy and callback for these start methods."""
+    _fit(tmp_path, "--steps", "14", "--strategy", strategy, "--check-lockstep", "1")
+    ranks = _ranks(tmp_path)
+    assert_ranks_identical([r["params"] for r in ranks], "parameters")
+    for r in ranks:
+        assert r["stage"] == "compression" and r["global_step"] == 14
+        assert r["lockstep_checks"] == 14
+
+
+def test_accumulation_logs_and_checks_once_per_optimizer_step(tmp_path):
+    _fit(tmp_path, "--steps", "12", "--accumulate", "4", "--log-every", "1",
+         "--check-lockstep", "1")
+    ranks = _ranks(tmp_path)
+    assert [r["lockstep_checks"] for r in ranks] == [12, 12]  # not 4 per optimizer step
+    logged = [step for step, _ in _csv_column(tmp_path, "onebit/stage")]
+    assert logged == list(range(1, 13)), logged
