@@ -4,14 +4,9 @@ Two implementations of one interface, so that ``OneBitAdam(compress_momentum=Fal
 same on every path (docs/design.md, "Communicators"):
 
 * :class:`ExactAllreduce` -- an fp32 sum allreduce divided by W;
-* :class:`OneBitAllreduce` -- the compressed allreduce of Tang et al. (2021), error feedback on
-  both sides:
-
-  1. every rank compresses ``tensor + worker_error`` and sends chunk ``j`` of the bits (and its
-     block scales) to rank ``j`` (``all_to_all_single``);
-  2. rank ``j`` averages the W copies of chunk ``j``, adds its server error and compresses again;
-  3. every rank's compressed chunk goes to every rank (an all-gather); each rank decodes the same
-     bytes into the same values, so the result is bit-identical on every rank.
+* :class:`OneBitAllreduce` -- the compressed allreduce of Tang et al. (2021): signs of
+  ``tensor + worker_error`` to each chunk's owner (all-to-all), the owner averages, adds its
+  server error and compresses again, every rank gathers and decodes the same bytes.
 
 A communicator holds no error feedback: the error buffers belong to whoever owns the tensor (the
 optimizer's momentum units, or a :class:`CompressedAllreduce`), are made by
@@ -376,19 +371,14 @@ class CompressedAllreduce:
     def server_error(self) -> torch.Tensor:
         return self.errors["server"]
 
-    def _check(self, tensor: torch.Tensor) -> None:
-        if tensor.numel() != self.numel:
+    def _check(self, t: torch.Tensor) -> None:
+        if t.numel() != self.numel:
+            raise ValueError(f"CompressedAllreduce was built for {self.numel} values, got a "
+                             f"tensor of {t.numel()} (shape {tuple(t.shape)})")
+        if t.dtype not in _FLOAT_DTYPES or not t.is_contiguous() or t.device != self.device:
             raise ValueError(
-                f"CompressedAllreduce was built for {self.numel} values, got a tensor of "
-                f"{tensor.numel()} (shape {tuple(tensor.shape)})"
-            )
-        if tensor.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"compressed allreduce needs fp32, bf16 or fp16, got {tensor.dtype}")
-        if not tensor.is_contiguous():
-            raise ValueError("compressed allreduce needs a contiguous tensor")
-        if tensor.device != self.device:
-            raise ValueError(
-                f"tensor is on {tensor.device}, the compressed allreduce's buffers on {self.device}"
+                f"compressed allreduce needs a contiguous fp32, bf16 or fp16 tensor on "
+                f"{self.device}; got {t.dtype} on {t.device}, contiguous={t.is_contiguous()}"
             )
 
     def __call__(self, tensor: torch.Tensor, async_op: bool = False,

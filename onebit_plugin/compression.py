@@ -10,17 +10,11 @@ the three passes of the compressed allreduce (docs/design.md, "The algorithm"):
   server error, and compress again with the same rule;
 * :func:`decompress` -- ``out = scale * sign * mask``.
 
-Conventions, shared bit for bit with the kernels:
-
-* bit ``i`` of byte ``k`` holds element ``8k + i`` (LSB first); a set bit means ``value >= 0``,
-  so zero is sent as ``+1`` -- the mask is what keeps always-zero coordinates at zero;
-* the scale of a block is its root mean square over the unmasked coordinates,
-  ``sqrt(sum(c**2) / count)`` (``count`` >= 1), or with ``scale="mean"`` the mean ``|c|``.
-  The mean is the L2-optimal scale of one compression, but under error feedback it drains the
-  error of coordinates larger than the block's typical value too slowly: on a persistent signal
-  plus noise the running-average error after 400 calls was 4.8% with the mean and 0.9% with
-  the RMS (``benchmarks/scale_rule.py``). Masked and padding coordinates never dilute it;
-* masked coordinates (the padding tail included) decode to exactly 0 and keep a zero error.
+Conventions, shared bit for bit with the kernels (docs/design.md, "The algorithm"): bit ``i`` of
+byte ``k`` holds element ``8k + i``, set for ``value >= 0`` (zero is sent as ``+1``); a block's
+scale is the root mean square of its unmasked values, ``sqrt(sum(c**2) / count)``, or with
+``scale="mean"`` their mean ``|c|`` (``benchmarks/scale_rule.py`` measures why RMS is the
+default); masked coordinates (the padding tail included) decode to exactly 0 and keep no error.
 """
 
 from __future__ import annotations

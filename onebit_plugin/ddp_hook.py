@@ -52,19 +52,10 @@ class OneBitHookState:
     """
 
     __slots__ = (
-        # Communication
-        "process_group",
-        "comm_group",
-        "world_size",
-        # The optimizer whose stage and units the hook follows
-        "optimizer",
-        "overlap",
-        # This iteration: gradients still to come per unit, and the unit's pending average
-        "remaining",
-        "pending",
-        # Diagnostics
-        "record_timeline",
-        "timeline",
+        "process_group", "comm_group", "world_size",  # communication
+        "optimizer", "overlap",  # the optimizer whose stage and units the hook follows
+        "remaining", "pending",  # this iteration: gradients to come per unit, its pending average
+        "record_timeline", "timeline",  # diagnostics
     )
 
     def __init__(

@@ -8,10 +8,8 @@ a fixed linear preconditioner, which is what lets error feedback cancel the comp
 momentum, the momentum units are averaged by the communicator (1-bit, or exact with
 ``compress_momentum=False``) and every rank applies the same update.
 
-Coordinates whose frozen variance is exactly zero never received a gradient during warm-up; there
-``V = eps`` and the sign compressor's ``+-scale`` for their zero momentum would be amplified by
-``1/eps`` (a plain implementation diverged for that reason: docs/design.md, "Masks"), so they are
-masked: their momentum stays exactly zero and they never collect error.
+Coordinates whose frozen variance is exactly zero are masked: ``1/eps`` would amplify the
+``+-scale`` sent for their zero momentum (docs/design.md, "Masks").
 """
 
 from __future__ import annotations
@@ -76,12 +74,9 @@ class OneBitAdam(Optimizer):
             reverse order). Default: the DDP model's bucket size when the DDP hook overlaps,
             else 25 (DDP's default).
 
-    Attributes (for callbacks and logs): ``stage`` (``"warmup"`` or ``"compression"``),
-    ``global_step`` (``step()`` calls), ``switch_step`` (the step after which compression
-    started, or None), ``skipped_steps``, ``bytes_sent`` (bytes this rank handed to the
-    collectives for others), ``dense_bytes`` (what fp32 ring allreduces of the gradients would
-    have sent), ``compression_ratio``, ``communicator`` (the compression stage's, with its own
-    counters) and ``units`` (the momentum units).
+    Attributes: ``stage`` (``"warmup"``/``"compression"``), ``global_step``, ``switch_step``,
+    ``skipped_steps``, ``bytes_sent``, ``dense_bytes``, ``compression_ratio``, ``communicator``
+    and ``units`` (docs/api.md).
     """
 
     def __init__(
@@ -112,9 +107,8 @@ class OneBitAdam(Optimizer):
             )
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
             raise ValueError(f"freeze_step must be an int >= 1, got {freeze_step!r}")
-        if isinstance(max_block, bool) or not isinstance(max_block, int) or max_block < 8 or (
-            max_block % 8
-        ):
+        if isinstance(max_block, bool) or not isinstance(max_block, int) or max_block % 8 or \
+                max_block < 8:
             raise ValueError(f"max_block must be a positive multiple of 8, got {max_block!r}")
         if scale not in SCALE_RULES:
             raise ValueError(f"scale must be one of {SCALE_RULES}, got {scale!r}")
@@ -310,36 +304,36 @@ class OneBitAdam(Optimizer):
                     " every rank must use the same settings and parameters"
                 )
 
+    def _hyper(self):
+        """Each trainable parameter with its group's hyperparameters, as the update functions
+        take them."""
+        for g in self.param_groups:
+            hyper = dict(lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
+                         weight_decay=g["weight_decay"], decoupled=g["decoupled_weight_decay"])
+            yield from ((p, hyper) for p in g["params"] if p.requires_grad)
+
     def _warmup_step(self) -> None:
         # After averaging every rank holds the same gradients, hence the same decision.
         if not all_finite([p.grad for p in self._trainable() if p.grad is not None]):
             self.skipped_steps += 1
             return
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    self._init_state(p)
+        for p, hyper in self._hyper():
+            if p.grad is not None:
+                state = self.state[p] or self._init_state(p)
                 state["step"] += 1
-                adam_update_(
-                    p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"].item(),
-                    lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                    decoupled=group["decoupled_weight_decay"],
-                )
+                adam_update_(p, p.grad, state["exp_avg"], state["exp_avg_sq"],
+                             state["step"].item(), **hyper)
 
-    def _init_state(self, p: torch.Tensor) -> None:
+    def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
         state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
         state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+        return state
 
     def _average_gradients(self) -> None:
         """One fp32 allreduce of every trainable gradient (zeros where a rank has none) plus a
-        has-gradient count per parameter, so that all ranks agree on which params step."""
+        has-gradient flag per parameter, so that all ranks agree on which params step."""
         params = self._trainable()
         total = sum(p.numel() for p in params)
         if self._grad_flat is None or self._grad_flat.numel() != total + len(params):
@@ -347,17 +341,10 @@ class OneBitAdam(Optimizer):
                 total + len(params), dtype=torch.float32, device=params[0].device
             )
         flat = self._grad_flat
-        present = flat[total:]
-        offset = 0
-        for i, p in enumerate(params):
-            view = flat[offset : offset + p.numel()]
-            if p.grad is None:
-                view.zero_()
-                present[i] = 0.0
-            else:
-                view.copy_(p.grad.reshape(-1))
-                present[i] = 1.0
-            offset += p.numel()
+        views = flat[:total].split([p.numel() for p in params])
+        for p, view in zip(params, views, strict=True):
+            view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
+        flat[total:] = torch.tensor([float(p.grad is not None) for p in params])
         work = dist.all_reduce(flat, group=self.process_group, async_op=True)
         wait_collectives([work], self.comm_timeout, "the warm-up gradient allreduce",
                          self.process_group)
@@ -365,16 +352,11 @@ class OneBitAdam(Optimizer):
         flat[:total].div_(world)
         self._warmup_sent += _ring_bytes(flat.nbytes, world)
         self._warmup_dense += _ring_bytes(4 * total, world)
-        offset = 0
-        for i, p in enumerate(params):
-            view = flat[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
-            if present[i] == 0:
-                continue
-            if p.grad is None:
-                p.grad = view.to(p.dtype, copy=True)
-            else:
-                p.grad.copy_(view)
+        for p, view, present in zip(params, views, flat[total:].tolist(), strict=True):
+            if p.grad is not None:
+                p.grad.copy_(view.view_as(p))
+            elif present:  # another rank had one
+                p.grad = view.view_as(p).to(p.dtype, copy=True)
 
     # --------------------------------------------------------------------------- compression
     def _freeze(self) -> None:
@@ -438,19 +420,11 @@ class OneBitAdam(Optimizer):
                 continue
             for p in unit.params:  # possibly clipped since, identically on every rank
                 unit.view(p).copy_(unit.view(p, unit.local) if p.grad is None else p.grad)
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if not p.requires_grad:
-                    continue
-                state = self.state[p]
-                state["step"] += 1
-                frozen_update_(
-                    p, state["exp_avg"], state["exp_avg_sq"], state["step"].item(),
-                    state["frozen_step"].item(), lr=group["lr"], beta1=beta1, beta2=beta2,
-                    eps=group["eps"], weight_decay=group["weight_decay"],
-                    decoupled=group["decoupled_weight_decay"],
-                )
+        for p, hyper in self._hyper():
+            state = self.state[p]
+            state["step"] += 1
+            frozen_update_(p, state["exp_avg"], state["exp_avg_sq"], state["step"].item(),
+                           state["frozen_step"].item(), **hyper)
 
     # ---------------------------------------------------------------------------- state dict
     def state_dict(self) -> dict:
