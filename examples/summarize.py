@@ -1,4 +1,5 @@
-"""Side-by-side summary of two train_torchrun.py runs (their --json outputs)."""
+"""Side-by-side summary of two runs (the summary.json of train_lightning.py, or the --json of
+train_torchrun.py): `make demo` prints it."""
 
 import json
 import sys

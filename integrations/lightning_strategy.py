@@ -41,7 +41,7 @@ def make_strategy_class(pl, callback_cls, module: str):
 
         Args:
             overlap: run the compressed allreduce inside backward (default). False keeps DDP's
-                warm-up averaging but compresses in ``optimizer.step()`` (one flat buffer).
+                warm-up averaging but averages the momentum units in ``optimizer.step()``.
             add_callback: add ``OneBitAdamCallback`` unless the trainer already has one.
             record_timeline: keep per-bucket timings in ``hook_state.timeline``.
             comm_timeout: seconds a compressed allreduce may take before the step raises

@@ -15,6 +15,7 @@ Coordinates whose frozen variance is exactly zero are masked: ``1/eps`` would am
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 
@@ -261,7 +262,7 @@ class OneBitAdam(Optimizer):
             if p.grad is not None and p.grad.is_sparse:
                 raise ValueError("OneBitAdam does not support sparse gradients")
         self.global_step += 1
-        if not self._settings_checked and self.world_size > 1:
+        if not self._settings_checked:
             self._check_ranks_agree()
         self._settings_checked = True
         if self.switch_step is None:
@@ -277,6 +278,13 @@ class OneBitAdam(Optimizer):
     def _check_ranks_agree(self) -> None:
         """First step (and first after a resume): every rank must run the same configuration,
         or the ranks would switch stages at different steps or lay the units out differently."""
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched > 1 and not dist.is_initialized():
+            raise RuntimeError(f"onebit: this process is one of WORLD_SIZE={launched} (torchrun?) "
+                               "but torch.distributed is not initialised, so it would train "
+                               "alone; call torch.distributed.init_process_group() first")
+        if self.world_size == 1:
+            return
         params = self._trainable()
         config = {
             "freeze_step": self.freeze_step,
@@ -440,17 +448,11 @@ class OneBitAdam(Optimizer):
         save its own (the Lightning strategy and the Accelerate flag do)."""
         units = ([u.state_dict() for u in self._units] if self._units is not None
                  else self._saved.get("units"))
-        return {
-            "global_step": self.global_step,
-            "freeze_step": self.freeze_step,
-            "switch_step": self.switch_step,
-            "skipped_steps": self.skipped_steps,
-            "world_size": self.world_size,
-            "warmup_counts": (self._warmup_sent, self._warmup_dense),
-            "compression_counts": self._compression_counts(),
-            "unit_cap_bytes": self._unit_cap_bytes,
-            "units": units,
-        }
+        return {"global_step": self.global_step, "freeze_step": self.freeze_step,
+                "switch_step": self.switch_step, "skipped_steps": self.skipped_steps,
+                "world_size": self.world_size, "unit_cap_bytes": self._unit_cap_bytes,
+                "warmup_counts": (self._warmup_sent, self._warmup_dense),
+                "compression_counts": self._compression_counts(), "units": units}
 
     def load_state_dict(self, state_dict: dict) -> None:
         onebit = state_dict.get("onebit")
@@ -518,10 +520,8 @@ def _reject_sharded(params: list[torch.Tensor]) -> None:
         elif hasattr(p, "ds_id") or hasattr(p, "ds_tensor"):
             kind = "DeepSpeed ZeRO-partitioned"
         if kind is not None:
-            raise ValueError(
-                f"OneBitAdam got {kind} parameters; it supports unsharded data parallelism only: "
-                f"{SUPPORTED_SETUPS}"
-            )
+            raise ValueError(f"OneBitAdam got {kind} parameters; it supports unsharded data "
+                             f"parallelism only: {SUPPORTED_SETUPS}")
 
 
 def _ring_bytes(nbytes: int, world: int) -> int:

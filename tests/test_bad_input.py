@@ -86,3 +86,13 @@ def test_check_lockstep_passes_and_catches_one_ulp():
     assert run_ranks(_lockstep_worker, 3, False) == ["in lockstep"] * 3
     messages = run_ranks(_lockstep_worker, 2, True)
     assert messages == ["rank 1 differs from rank 0 in parameter 0"] * 2
+
+
+def test_launched_as_several_ranks_without_a_process_group(monkeypatch):
+    """torchrun sets WORLD_SIZE; without init_process_group each rank would train alone."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = nn.Linear(4, 2)
+    opt = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=5)
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=2 .* torch.distributed is not initialised"):
+        opt.step()
