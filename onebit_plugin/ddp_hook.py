@@ -39,16 +39,19 @@ class OneBitHookState:
     Args:
         optimizer: the ``OneBitAdam`` that steps the DDP model's parameters; the hook follows its
             stage and folds into its momentum units.
-        process_group: the DDP model's group (warm-up allreduces run on it).
+        process_group: the DDP model's group.
         overlap: average the momentum units inside backward (True) or leave it to
             ``OneBitAdam.step()`` (False).
         record_timeline: keep ``(bucket index, hook called, allreduce done)`` perf-counter
             times of compression-stage buckets in ``timeline`` (for overlap checks).
+        bucket_bytes: DDP's bucket size, the momentum units' size unless the optimizer's
+            ``bucket_cap_mb`` says otherwise.
 
-    With ``overlap`` the units are averaged on a process group of their own (made here, so every
-    rank must construct this state at the same point, as DDP itself requires), whose one
-    background thread keeps their collectives in one order and apart from what the main thread
-    sends on the DDP group. Pickling drops the process groups and the pending iteration.
+    The hook's collectives (warm-up and units) run on the optimizer's ``comm_group``, a group of
+    their own made here (so every rank must construct this state at the same point, as DDP
+    itself requires) with the optimizer's ``comm_timeout``; its one background thread keeps the
+    units' collectives in one order and apart from what DDP sends on its own group. Pickling
+    drops the process groups and the pending iteration.
     """
 
     __slots__ = (
@@ -64,16 +67,13 @@ class OneBitHookState:
         process_group: dist.ProcessGroup | None = None,
         overlap: bool = True,
         record_timeline: bool = False,
+        bucket_bytes: int = 25 * 2**20,
     ):
         self.optimizer = optimizer
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
-        ranks = dist.get_process_group_ranks(process_group) if process_group is not None else None
-        self.comm_group = (
-            dist.new_group(ranks=ranks, timeout=optimizer.comm_timeout) if overlap
-            else process_group
-        )
         self.overlap = overlap
+        self.comm_group = optimizer.use_ddp_hook(process_group, overlap, bucket_bytes)
         self.remaining: dict[MomentumUnit, int] = {}
         self.pending: dict[MomentumUnit, torch.futures.Future] = {}
         self.record_timeline = record_timeline
@@ -122,7 +122,7 @@ def onebit_hook(
         # DDP's default allreduce_hook, numbers included: divide, then sum.
         buffer.div_(state.world_size)
         opt.count_uncompressed(buffer.nbytes)
-        work = dist.all_reduce(buffer, group=state.process_group, async_op=True)
+        work = dist.all_reduce(buffer, group=state.comm_group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
     if not state.overlap:
         done: torch.futures.Future = torch.futures.Future()
@@ -183,7 +183,7 @@ def register_onebit_hook(
                 "overlapping backward", len(ddp_params), len(opt_params),
             )
             overlap = False
-    state = OneBitHookState(optimizer, model.process_group, overlap, record_timeline)
-    optimizer.use_ddp_hook(state.comm_group, overlap, model.bucket_bytes_cap)
+    state = OneBitHookState(optimizer, model.process_group, overlap, record_timeline,
+                            model.bucket_bytes_cap)
     model.register_comm_hook(state, onebit_hook)
     return state

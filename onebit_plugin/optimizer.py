@@ -148,7 +148,7 @@ class OneBitAdam(Optimizer):
         self.switch_step: int | None = None
         self.skipped_steps = 0  # steps skipped on every rank for a non-finite gradient
         self._unit_cap_bytes = int((bucket_cap_mb or DEFAULT_UNIT_MB) * 2**20)
-        self._comm_group = process_group
+        self._comm_group, self._group_ready = process_group, False
         self._comm = None
         self._units: list[MomentumUnit] | None = None
         self._unit_of: dict[torch.Tensor, MomentumUnit] = {}
@@ -174,10 +174,10 @@ class OneBitAdam(Optimizer):
         has nothing to send: exact, so it is Adam with a frozen variance."""
         if self._comm is None:
             if self.compress_momentum and self.world_size > 1:
-                self._comm = OneBitAllreduce(self._comm_group, max_block=self.max_block,
+                self._comm = OneBitAllreduce(self.comm_group, max_block=self.max_block,
                                              scale=self.scale, timeout=self.comm_timeout)
             else:
-                self._comm = ExactAllreduce(self._comm_group, timeout=self.comm_timeout)
+                self._comm = ExactAllreduce(self.comm_group, timeout=self.comm_timeout)
             self._comm.bytes_sent, self._comm.dense_bytes = self._saved.pop("counts", (0, 0))
         return self._comm
 
@@ -217,21 +217,36 @@ class OneBitAdam(Optimizer):
         self._warmup_sent += sent
         self._warmup_dense += sent
 
+    @property
+    def comm_group(self) -> dist.ProcessGroup | None:
+        """The group all of OneBitAdam's collectives run on. With ``comm_timeout`` (and always
+        under the DDP hook) a group of its own over ``process_group``'s ranks, made at its first
+        use on every rank (the first ``step()``, or ``register_onebit_hook``), whose backend
+        timeout is ``comm_timeout``: a collective stuck on a dead or silent peer is released
+        by the backend too, and the process can exit (gloo joins its threads at exit)."""
+        if not self._group_ready and self.comm_timeout is not None and self.world_size > 1:
+            self._comm_group = _new_group(self.process_group, self.comm_timeout)
+        self._group_ready = True
+        return self._comm_group
+
     # -------------------------------------------------------------------- the DDP hook's API
-    def use_ddp_hook(self, comm_group: dist.ProcessGroup | None, overlap: bool,
-                     bucket_bytes: int) -> None:
-        """Called by ``register_onebit_hook``: DDP's hook averages warm-up gradients from now
-        on; with ``overlap`` it also averages the momentum units inside backward, on
-        ``comm_group``, in units of DDP's ``bucket_bytes`` (unless ``bucket_cap_mb`` was given)."""
+    def use_ddp_hook(self, process_group: dist.ProcessGroup | None, overlap: bool,
+                     bucket_bytes: int) -> dist.ProcessGroup:
+        """Called by ``register_onebit_hook`` on every rank: DDP's hook averages warm-up
+        gradients from now on; with ``overlap`` it also averages the momentum units inside
+        backward, in units of DDP's ``bucket_bytes`` (unless ``bucket_cap_mb`` was given).
+        Returns the hook's group: :attr:`comm_group`, now always one of its own, apart from
+        what DDP itself sends on ``process_group``."""
         self.average_grads = False
-        if not overlap:
-            return
-        if self.bucket_cap_mb is None and self._units is None:
+        if self.bucket_cap_mb is None and self._units is None and overlap:
             self._unit_cap_bytes = int(bucket_bytes)
-        self._comm_group = comm_group
+        if not self._group_ready or self._comm_group is process_group:
+            self._comm_group = _new_group(process_group, self.comm_timeout)
+            self._group_ready = True
         if self._comm is not None:  # resumed before the hook existed: keep the counts
             self._saved["counts"] = self._compression_counts()
             self._comm = None
+        return self._comm_group
 
     def mark_averaged(self, unit: MomentumUnit, ok: bool) -> None:
         """The DDP hook averaged ``unit`` during backward (``ok``: every rank's was finite);
@@ -302,8 +317,8 @@ class OneBitAdam(Optimizer):
             local = local.to(params[0].device)
         world = self.world_size
         gathered = [torch.empty_like(local) for _ in range(world)]
-        work = dist.all_gather(gathered, local, group=self.process_group, async_op=True)
-        wait_collectives([work], self.comm_timeout, "the settings check", self.process_group)
+        work = dist.all_gather(gathered, local, group=self.comm_group, async_op=True)
+        wait_collectives([work], self.comm_timeout, "the settings check", self.comm_group)
         for i, name in enumerate(config):
             values = [int(g[i]) for g in gathered]
             if len(set(values)) > 1:
@@ -353,9 +368,9 @@ class OneBitAdam(Optimizer):
         for p, view in zip(params, views, strict=True):
             view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
         flat[total:] = torch.tensor([float(p.grad is not None) for p in params])
-        work = dist.all_reduce(flat, group=self.process_group, async_op=True)
+        work = dist.all_reduce(flat, group=self.comm_group, async_op=True)
         wait_collectives([work], self.comm_timeout, "the warm-up gradient allreduce",
-                         self.process_group)
+                         self.comm_group)
         world = self.world_size
         flat[:total].div_(world)
         self._warmup_sent += _ring_bytes(flat.nbytes, world)
@@ -499,7 +514,8 @@ class OneBitAdam(Optimizer):
     def __getstate__(self) -> dict:
         # torch's Optimizer pickles only defaults, state and param_groups; keep ours too, less
         # the process groups (an unpickled optimizer runs on the default group).
-        return {**self.__dict__, "process_group": None, "_comm_group": None}
+        return {**self.__dict__, "process_group": None, "_comm_group": None,
+                "_group_ready": False}
 
 
 SUPPORTED_SETUPS = (
@@ -522,6 +538,11 @@ def _reject_sharded(params: list[torch.Tensor]) -> None:
         if kind is not None:
             raise ValueError(f"OneBitAdam got {kind} parameters; it supports unsharded data "
                              f"parallelism only: {SUPPORTED_SETUPS}")
+
+
+def _new_group(group: dist.ProcessGroup | None, timeout: timedelta | None) -> dist.ProcessGroup:
+    ranks = dist.get_process_group_ranks(group) if group is not None else None
+    return dist.new_group(ranks=ranks, timeout=timeout)
 
 
 def _ring_bytes(nbytes: int, world: int) -> int:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -44,7 +44,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180.0,
     result (a fault test killing it) yields None instead of failing."""
     ctx = mp.get_context("fork")
     queue = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, args), daemon=True)
         for r in range(world_size)
