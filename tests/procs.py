@@ -1,5 +1,7 @@
-"""Processes that tests start and own: each in a new session, the whole tree killed at the end,
-and nothing of theirs left behind (asserted)."""
+"""Processes that tests start and own. Each process started here, and everything it starts
+(launchers such as torchrun put their workers in sessions of their own, and a worker whose
+launcher died is reparented), carries a tag in its environment; at the end every tagged
+process is killed and the test fails if one is still alive."""
 
 from __future__ import annotations
 
@@ -8,48 +10,57 @@ import os
 import signal
 import subprocess
 import time
+import uuid
+
+TAG = "ONEBIT_TEST_OWNER"
 
 
-def session_members(sid: int) -> list[int]:
-    """Pids of live (not zombie) processes whose session is ``sid``."""
+def tagged(tag: str, extra: str = "") -> list[int]:
+    """Pids of live (not zombie) processes whose environment holds ``TAG=tag`` and, when given,
+    the text ``extra`` (another variable, e.g. ``GLOO_SOCKET_IFNAME=eth0``)."""
     found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+        if not entry.isdigit() or int(entry) == os.getpid():
             continue
         try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
             with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+                state = f.read().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if fields[0] != "Z" and int(fields[3]) == sid:  # state, ppid, pgrp, session
+        if state != "Z" and f"{TAG}={tag}".encode() in env and (
+            not extra or extra.encode() in env
+        ):
             found.append(int(entry))
     return found
 
 
 @contextlib.contextmanager
 def owned_processes():
-    """Yield ``start(argv, **popen_kwargs) -> Popen``; every process started is the leader of a
-    new session. On exit each session is killed (SIGKILL to every member, which also reaches
-    workers that a launcher reparented) and the test fails if anything of them is still alive."""
-    started: list[subprocess.Popen] = []
+    """Yield ``start(argv, **popen_kwargs) -> Popen``, which starts a tagged process in a new
+    session, and exposes ``start.tag``. On exit every tagged process is killed, the started ones
+    are reaped, and the test fails if anything tagged is still alive 10 s later."""
+    tag = uuid.uuid4().hex
 
-    def start(argv, **kwargs) -> subprocess.Popen:
-        proc = subprocess.Popen(argv, start_new_session=True, **kwargs)
+    def start(argv, env=None, **kwargs) -> subprocess.Popen:
+        env = dict(os.environ if env is None else env, **{TAG: tag})
+        proc = subprocess.Popen(argv, env=env, start_new_session=True, **kwargs)
         started.append(proc)
         return proc
 
+    started: list[subprocess.Popen] = []
+    start.tag = tag
     try:
         yield start
     finally:
+        for pid in tagged(tag):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         for proc in started:
-            for pid in session_members(proc.pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
         deadline = time.monotonic() + 10
-        left = [pid for p in started for pid in session_members(p.pid)]
-        while left and time.monotonic() < deadline:
+        while tagged(tag) and time.monotonic() < deadline:
             time.sleep(0.1)
-            left = [pid for p in started for pid in session_members(p.pid)]
-        assert not left, f"processes left behind: {left}"
+        assert not tagged(tag), f"processes left behind: {tagged(tag)}"
