@@ -12,9 +12,10 @@ optimizer's stage, the way torch's ``PowerSGDState.start_powerSGD_iter`` switche
   from ``p.grad``: gradient clipping between backward and ``step()`` therefore clips the
   averaged momentum (the same tensor on every rank, so ranks stay identical).
 
-With ``overlap=False``, or when the DDP model and the optimizer do not hold the same trainable
-parameters (logged), the compression-stage hook passes the local gradients through and
+With ``overlap=False`` the compression-stage hook passes the local gradients through and
 ``step()`` folds and averages the same units itself: the same numbers, without the overlap.
+The DDP model and the optimizer must hold the same trainable parameters, at registration and at
+every step (a parameter unfrozen later is not in DDP's reducer): else a clear error.
 """
 
 # No "from __future__ import annotations": DDP checks the hook's annotations as objects.
@@ -173,16 +174,18 @@ def register_onebit_hook(
     if not isinstance(optimizer, OneBitAdam):
         raise ValueError(f"register_onebit_hook needs a onebit_plugin.OneBitAdam optimizer, got "
                          f"{type(optimizer).__name__}")
-    if overlap:
-        ddp_params = {p for p in model.parameters() if p.requires_grad}
-        opt_params = {p for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
-        if ddp_params != opt_params:
-            log.warning(
-                "onebit: the DDP model and OneBitAdam do not hold the same trainable parameters "
-                "(%d vs %d); the momentum is averaged in optimizer.step() instead of "
-                "overlapping backward", len(ddp_params), len(opt_params),
-            )
-            overlap = False
+    ddp_params = {p for p in model.parameters() if p.requires_grad}
+    opt_params = {p for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
+    if ddp_params != opt_params:
+        # Either way some gradients would go un-averaged and the ranks drift apart.
+        raise ValueError(
+            f"onebit: the DDP model and OneBitAdam must hold the same trainable parameters; "
+            f"{len(ddp_params - opt_params)} of the model's are not in OneBitAdam (the hook "
+            f"would leave their gradients un-averaged in the compression stage) and "
+            f"{len(opt_params - ddp_params)} of OneBitAdam's are not trainable in the model "
+            "(DDP would never average them). Give OneBitAdam exactly the model's trainable "
+            "parameters"
+        )
     state = OneBitHookState(optimizer, model.process_group, overlap, record_timeline,
                             model.bucket_bytes_cap)
     model.register_comm_hook(state, onebit_hook)

@@ -14,6 +14,7 @@ Coordinates whose frozen variance is exactly zero are masked: ``1/eps`` would am
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable, Iterable
@@ -36,6 +37,8 @@ from onebit_plugin.update import adam_update_, frozen_update_
 
 __all__ = ["OneBitAdam"]
 
+log = logging.getLogger("onebit_plugin")
+
 WARMUP = "warmup"
 COMPRESSION = "compression"
 DEFAULT_UNIT_MB = 25.0  # DDP's default bucket size
@@ -56,8 +59,8 @@ class OneBitAdam(Optimizer):
         eps: added to ``sqrt(v_hat)``, >= 0.
         weight_decay: L2 penalty (added to the gradient, as ``Adam``) or, with
             ``decoupled_weight_decay=True``, decoupled decay (as ``AdamW``); >= 0.
-        freeze_step: number of uncompressed warm-up steps; the variance is frozen at the end of
-            this step. Required. The paper uses 15-25% of the run.
+        freeze_step: number of uncompressed warm-up steps (skipped ones do not count); the
+            variance is frozen at the end of the last. Required. The paper uses 15-25% of the run.
         decoupled_weight_decay: AdamW semantics for ``weight_decay``.
         max_block: values that share one fp32 scale in the compressed allreduce (multiple of 8).
         scale: block scale rule of the compressor, ``"rms"`` (default) or ``"mean"``.
@@ -74,6 +77,8 @@ class OneBitAdam(Optimizer):
         bucket_cap_mb: fp32 megabytes per momentum unit (the parameters are cut into units in
             reverse order). Default: the DDP model's bucket size when the DDP hook overlaps,
             else 25 (DDP's default).
+        max_skipped_steps: raise after this many steps in a row skipped for inf/NaN gradients
+            (each skip logs a warning).
 
     Attributes: ``stage`` (``"warmup"``/``"compression"``), ``global_step``, ``switch_step``,
     ``skipped_steps``, ``bytes_sent``, ``dense_bytes``, ``compression_ratio``, ``communicator``
@@ -99,6 +104,7 @@ class OneBitAdam(Optimizer):
         compress_momentum: bool = True,
         comm_timeout: float | None = None,
         bucket_cap_mb: float | None = None,
+        max_skipped_steps: int = 20,
     ):
         _check_hparams(lr, betas, eps, weight_decay)
         if freeze_step is None:
@@ -115,6 +121,9 @@ class OneBitAdam(Optimizer):
             raise ValueError(f"scale must be one of {SCALE_RULES}, got {scale!r}")
         if comm_timeout is not None and not comm_timeout > 0:
             raise ValueError(f"comm_timeout must be > 0 seconds, got {comm_timeout!r}")
+        if isinstance(max_skipped_steps, bool) or not isinstance(max_skipped_steps, int) or \
+                max_skipped_steps < 1:
+            raise ValueError(f"max_skipped_steps must be an int >= 1, got {max_skipped_steps!r}")
         if bucket_cap_mb is not None and not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
         defaults = dict(
@@ -147,6 +156,8 @@ class OneBitAdam(Optimizer):
         self.global_step = 0
         self.switch_step: int | None = None
         self.skipped_steps = 0  # steps skipped on every rank for a non-finite gradient
+        self._skip_streak = 0
+        self.max_skipped_steps = max_skipped_steps
         self._unit_cap_bytes = int((bucket_cap_mb or DEFAULT_UNIT_MB) * 2**20)
         self._comm_group, self._group_ready = process_group, False
         self._comm = None
@@ -157,6 +168,7 @@ class OneBitAdam(Optimizer):
         self._warmup_sent = self._warmup_dense = 0
         self._grad_flat: torch.Tensor | None = None
         self._settings_checked = False
+        self._hook_params: set | None = None  # what the DDP hook averages, once registered
 
     # ----------------------------------------------------------------------------- properties
     @property
@@ -238,6 +250,7 @@ class OneBitAdam(Optimizer):
         Returns the hook's group: :attr:`comm_group`, now always one of its own, apart from
         what DDP itself sends on ``process_group``."""
         self.average_grads = False
+        self._hook_params = set(self._trainable())
         if self.bucket_cap_mb is None and self._units is None and overlap:
             self._unit_cap_bytes = int(bucket_bytes)
         if not self._group_ready or self._comm_group is process_group:
@@ -273,9 +286,11 @@ class OneBitAdam(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for p in self._trainable():
+        trainable = self._trainable()
+        for p in trainable:
             if p.grad is not None and p.grad.is_sparse:
                 raise ValueError("OneBitAdam does not support sparse gradients")
+        self._check_trainable(trainable)
         self.global_step += 1
         if not self._settings_checked:
             self._check_ranks_agree()
@@ -284,11 +299,28 @@ class OneBitAdam(Optimizer):
             if self.average_grads and self.world_size > 1:
                 self._average_gradients()
             self._warmup_step()
-            if self.global_step >= self.freeze_step:
+            if self.global_step - self.skipped_steps >= self.freeze_step:  # applied steps
                 self._freeze()
         else:
             self._compression_step()
         return loss
+
+    def _check_trainable(self, trainable: list[torch.Tensor]) -> None:
+        """The same decision on every rank (the same parameters and flags everywhere), taken
+        before any collective: no rank diverges or waits on a peer that raised."""
+        new = set(trainable) - (self._hook_params if self._hook_params is not None
+                                else set(self._unit_of) if self._units else set(trainable))
+        if new:
+            raise ValueError(
+                f"onebit: {len(new)} trainable parameter(s) are not "
+                + ("in the DDP model's reducer (frozen when DDP wrapped the model, unfrozen "
+                   "since?): DDP would never average their gradients and the ranks would drift "
+                   "apart. Unfreeze them before wrapping the model in DDP (Lightning's "
+                   "BackboneFinetuning: use another strategy or train all parameters)"
+                   if self._hook_params is not None else
+                   "in the momentum units fixed at the freeze: the trainable parameters cannot "
+                   "change in the compression stage")
+            )
 
     def _check_ranks_agree(self) -> None:
         """First step (and first after a resume): every rank must run the same configuration,
@@ -338,14 +370,29 @@ class OneBitAdam(Optimizer):
     def _warmup_step(self) -> None:
         # After averaging every rank holds the same gradients, hence the same decision.
         if not all_finite([p.grad for p in self._trainable() if p.grad is not None]):
-            self.skipped_steps += 1
-            return
+            return self._skip()
+        self._skip_streak = 0
         for p, hyper in self._hyper():
             if p.grad is not None:
                 state = self.state[p] or self._init_state(p)
                 state["step"] += 1
                 adam_update_(p, p.grad, state["exp_avg"], state["exp_avg_sq"],
                              state["step"].item(), **hyper)
+
+    def _skip(self) -> None:
+        """A step skipped on every rank (some rank's gradient was not finite): said each time,
+        and an error after ``max_skipped_steps`` in a row, never a silent stall."""
+        self.skipped_steps += 1
+        self._skip_streak += 1
+        log.warning("onebit: step %d skipped on every rank: a gradient was inf or NaN on some "
+                    "rank (%d in a row, %d in all)", self.global_step, self._skip_streak,
+                    self.skipped_steps)
+        if self._skip_streak >= self.max_skipped_steps:
+            raise RuntimeError(
+                f"onebit: {self._skip_streak} steps in a row were skipped for inf/NaN gradients "
+                "(the loss has diverged, or the data holds NaN): lower the learning rate, clip "
+                "gradients or check the data; max_skipped_steps sets this limit"
+            )
 
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -385,9 +432,9 @@ class OneBitAdam(Optimizer):
     def _freeze(self) -> None:
         """End of step ``freeze_step``: fix the variance (the units are built at first use)."""
         for p in self._trainable():
-            if not self.state[p]:
-                self._init_state(p)  # never had a gradient: v == 0, fully masked
-            self.state[p]["frozen_step"] = self.state[p]["step"].clone()
+            state = self.state[p] or self._init_state(p)  # no gradient yet: v == 0, all masked
+            # v's bias correction 1 - b2**0 would be 0 (0/0 = NaN) where v never moved.
+            state["frozen_step"] = state["step"].clamp(min=1.0)
         self.switch_step = self.global_step
 
     def _keep(self, p: torch.Tensor) -> torch.Tensor:
@@ -435,8 +482,8 @@ class OneBitAdam(Optimizer):
                 unit.fold_(p, p.grad)
             ok &= unit.reduce_(self.communicator)
         if not ok:
-            self.skipped_steps += 1
-            return
+            return self._skip()
+        self._skip_streak = 0
         for unit in self.units:
             if unit not in averaged:
                 unit.momentum.copy_(unit.local)

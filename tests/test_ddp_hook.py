@@ -212,3 +212,42 @@ def test_hook_resume_in_compression_stage_is_bitwise(tmp_path):
     for uninterrupted, resumed in results:
         for a, b in zip(uninterrupted, resumed, strict=True):
             assert torch.equal(a, b)
+
+
+def _unfreeze_worker(rank, world, stage):
+    model = _mlp()
+    model[0].weight.requires_grad_(False)  # frozen when DDP wraps the model
+    ddp = DDP(model)
+    opt = OneBitAdam(ddp.parameters(), lr=1e-2, freeze_step=2)
+    register_onebit_hook(ddp, opt)
+    for step in range(3 if stage == "compression" else 1):
+        _step(ddp, opt, rank, step)
+    model[0].weight.requires_grad_(True)  # what BackboneFinetuning does (then add_param_group)
+    try:
+        _step(ddp, opt, rank, 5)
+    except ValueError as exc:
+        return str(exc), [p.detach() for p in model.parameters()]
+    return "no error", None
+
+
+@pytest.mark.parametrize("stage", ["warmup", "compression"])
+def test_a_parameter_unfrozen_after_ddp_wrapped_the_model_is_an_error_on_every_rank(stage):
+    results = run_ranks(_unfreeze_worker, 2, stage, timeout=60)
+    for message, _ in results:
+        assert "not in the DDP model's reducer (frozen when DDP wrapped the model" in message
+    assert_ranks_identical([params for _, params in results], "parameters")
+
+
+def _mismatch_worker(rank, world):
+    ddp = DDP(_mlp())
+    opt = OneBitAdam(list(ddp.parameters())[2:], lr=1e-2, freeze_step=2)
+    try:
+        register_onebit_hook(ddp, opt)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_register_rejects_a_model_and_optimizer_with_other_parameters():
+    for message in run_ranks(_mismatch_worker, 2):
+        assert "2 of the model's are not in OneBitAdam" in message

@@ -85,3 +85,42 @@ def test_nonfinite_gradient_on_one_rank_skips_the_step_on_all(use_hook, bad_step
         for a, b in zip(before, after, strict=True):
             assert torch.equal(a, b)  # the step was skipped
         assert unchanged_momenta and skipped == 1 and finite
+
+
+def test_skipped_steps_are_said_each_time_and_a_streak_is_an_error(caplog):
+    model = _model()
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2, max_skipped_steps=3)
+
+    def step(bad: bool):
+        opt.zero_grad()
+        loss = model(torch.randn(4, 8)).square().mean()
+        (loss * math.nan if bad else loss).backward()
+        opt.step()
+
+    with caplog.at_level("WARNING", logger="onebit_plugin"):
+        for bad in (True, True, False, True, True):  # a good step ends the streak
+            step(bad)
+        assert [r.getMessage().split(": a ")[0] for r in caplog.records] == [
+            f"onebit: step {s} skipped on every rank" for s in (1, 2, 4, 5)]
+        assert "(2 in a row, 4 in all)" in caplog.records[-1].getMessage()
+        with pytest.raises(RuntimeError, match="3 steps in a row were skipped for inf/NaN"):
+            step(True)
+    assert opt.skipped_steps == 5 and all(torch.isfinite(p).all() for p in model.parameters())
+    assert opt.stage == "warmup"  # skipped steps do not count towards freeze_step (2)
+    with pytest.raises(ValueError, match="max_skipped_steps must be an int >= 1, got 0"):
+        OneBitAdam(model.parameters(), freeze_step=2, max_skipped_steps=0)
+
+
+def test_a_parameter_without_gradients_in_warmup_stays_finite_after_the_freeze():
+    torch.manual_seed(0)
+    used, unused = nn.Linear(8, 3), nn.Linear(8, 3)
+    opt = OneBitAdam([*used.parameters(), *unused.parameters()], lr=1e-2, freeze_step=2)
+    before = [p.detach().clone() for p in unused.parameters()]
+    for _ in range(5):
+        opt.zero_grad()
+        used(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+    assert opt.stage == "compression"
+    for a, b in zip(before, unused.parameters(), strict=True):
+        assert torch.equal(a, b)  # v == 0: masked, no step (and no 0/0)
+    assert all(torch.isfinite(p).all() for p in used.parameters())
