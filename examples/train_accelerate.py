@@ -34,6 +34,7 @@ def parse_args(argv=None):
     p.add_argument("--mixed-precision", default="no")
     p.add_argument("--save-at", type=int, default=0, help="save_state after this step, then "
                    "load_state into a fresh model and optimizer and continue from it")
+    p.add_argument("--load-from", help="load_state from this folder first, then train on")
     p.add_argument("--plain-accelerate", action="store_true")
     p.add_argument("--out", default="accelerate_out")
     return p.parse_args(argv)
@@ -62,6 +63,9 @@ def main(argv=None) -> None:
     train, val = load_corpus()
     gen = torch.Generator().manual_seed(accelerator.process_index)
     step = 0
+    if args.load_from:
+        accelerator.load_state(args.load_from)
+        step = getattr(optimizer.optimizer, "global_step", 0)
     while step < args.steps:
         for _ in range(args.accumulate):
             x, y = (t.to(accelerator.device) for t in

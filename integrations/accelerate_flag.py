@@ -181,16 +181,29 @@ class Accelerator(accelerate.Accelerator):
         if not optimizers:
             return
         location = Path(input_dir) if input_dir is not None else self._latest_checkpoint()
-        saved = sorted(location.glob("onebit_rank*.pt"))
+        saved = sorted(p.name for p in location.glob("onebit_rank*.pt"))
         if len(saved) != self.num_processes:
             raise ValueError(
-                f"{location} holds OneBitAdam error buffers of {len(saved)} ranks and this run "
-                f"has {self.num_processes} processes: they are sharded per rank; resume with "
-                "the same number of processes (and a checkpoint written by this Accelerator)"
+                f"{location} holds OneBitAdam error buffers of {len(saved)} ranks ({saved}) and "
+                f"this run has {self.num_processes} processes: they are sharded per rank; "
+                "resume with the same number of processes from a checkpoint written by this "
+                "Accelerator's save_state"
             )
-        states = torch.load(location / f"onebit_rank{self.process_index}.pt",
-                            weights_only=False)
+        path = location / f"onebit_rank{self.process_index}.pt"
+        try:
+            states = torch.load(path, weights_only=False)
+        except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same answer
+            raise ValueError(f"{path}: cannot read this rank's OneBitAdam error buffers "
+                             f"({type(exc).__name__}: {exc}); the file is missing, truncated "
+                             "or not written by save_state") from exc
         for optimizer, state in zip(optimizers, states, strict=True):
+            saved_at = (state["global_step"], state["switch_step"])
+            if saved_at != (optimizer.global_step, optimizer.switch_step):
+                raise ValueError(
+                    f"{path} was saved at (step, switch step) {saved_at}, the optimizer state "
+                    f"of this checkpoint at {(optimizer.global_step, optimizer.switch_step)}: "
+                    "it comes from another run or checkpoint"
+                )
             optimizer.load_onebit_state_dict(state)
 
     def _latest_checkpoint(self) -> Path:

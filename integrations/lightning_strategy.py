@@ -145,6 +145,14 @@ def make_strategy_class(pl, callback_cls, module: str):
             states = []
             for state in checkpoint["optimizer_states"]:
                 ranks = state.get("onebit_ranks")
+                onebit = state.get("onebit") or {}
+                if ranks is None and self.world_size > 1 and onebit.get("switch_step") is not None:
+                    raise ValueError(
+                        "this checkpoint holds rank 0's OneBitAdam error buffers only (no "
+                        "'onebit_ranks'): it was not written by strategy='onebit_adam' on "
+                        f"{self.world_size} processes; every rank needs its own to resume the "
+                        "compression stage"
+                    )
                 if ranks is not None:
                     if len(ranks) != self.world_size:
                         raise ValueError(

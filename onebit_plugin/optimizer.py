@@ -547,6 +547,12 @@ class OneBitAdam(Optimizer):
                 f"ranks and is loaded by {self.world_size}: its error buffers are sharded per "
                 "rank; resume with the same world size"
             )
+        if onebit["freeze_step"] != self.freeze_step:
+            log.warning(
+                "onebit: the checkpoint has freeze_step=%d, this optimizer %d: %s",
+                onebit["freeze_step"], self.freeze_step,
+                f"it is ignored, the variance was frozen after step {onebit['switch_step']}"
+                if onebit["switch_step"] is not None else "the new value applies")
         self.global_step = int(onebit["global_step"])
         self.switch_step = onebit["switch_step"]
         self.skipped_steps = int(onebit["skipped_steps"])

@@ -198,3 +198,15 @@ def test_units_survive_a_state_dict_round_trip_in_one_process(compress):
     assert [len(u.params) for u in clone.units] == [len(u.params) for u in opt.units]
     for a, b in zip(opt.units, clone.units, strict=True):
         assert torch.equal(a.momentum, b.momentum)
+
+
+def test_loading_with_another_freeze_step_says_what_happens(caplog):
+    net = Uneven()
+    opt = OneBitAdam(net.parameters(), lr=LR, freeze_step=2)
+    _train(net, opt, 0, 3)
+    for freeze, said in ((5, "it is ignored, the variance was frozen after step 2"),):
+        other = OneBitAdam(net.parameters(), lr=LR, freeze_step=freeze)
+        with caplog.at_level("WARNING", logger="onebit_plugin"):
+            other.load_state_dict(opt.state_dict())
+        assert f"checkpoint has freeze_step=2, this optimizer {freeze}: {said}" in caplog.text
+        assert other.stage == "compression"
