@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -46,7 +48,40 @@ def parse_args(argv=None):
                    help="seconds a collective may take before the step raises")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the summary to this file (rank 0)")
+    p.add_argument("--ckpt-dir", help="save every rank's state here and, on start, resume from "
+                   "the newest step every rank saved (torchrun --max-restarts restarts)")
+    p.add_argument("--ckpt-every", type=int, default=10)
+    p.add_argument("--kill-at", type=int, default=0,
+                   help="fault injection: --kill-rank SIGKILLs itself before this step, on the "
+                   "first attempt only (TORCHELASTIC_RESTART_COUNT=0)")
+    p.add_argument("--kill-rank", type=int, default=1)
+    p.add_argument("--params-out", help="each rank saves its final parameters to "
+                   "<this>.rank<R>.pt")
     return p.parse_args(argv)
+
+
+def save(folder: str, step: int, rank: int, model, opt, gen) -> None:
+    """This rank's whole state after ``step`` (its own error buffers are in ``opt``'s), written
+    to a temporary name first so that a kill never leaves a half-written file behind."""
+    path = Path(folder) / f"step{step:08d}" / f"rank{rank}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"step": step, "model": model.state_dict(), "opt": opt.state_dict(),
+                "gen": gen.get_state()}, path.with_suffix(".tmp"))
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+def resume(folder: str, world: int, rank: int, model, opt, gen) -> int:
+    """Load the newest step that every rank saved (the same choice on every rank: no writer is
+    alive when a restarted job starts); returns that step, 0 when there is none."""
+    complete = [d for d in sorted(Path(folder).glob("step*"), reverse=True)
+                if all((d / f"rank{r}.pt").exists() for r in range(world))]
+    if not complete:
+        return 0
+    state = torch.load(complete[0] / f"rank{rank}.pt", weights_only=False)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    gen.set_state(state["gen"])
+    return state["step"]
 
 
 def main(argv=None) -> dict:
@@ -77,7 +112,17 @@ def main(argv=None) -> dict:
     say(f"{name}: {n_params} parameters, {world} rank(s), {backend}, {args.steps} steps")
     history = []
     step_times = {"warmup": [], "compression": []}
-    for step in range(1, args.steps + 1):
+    first = 1
+    if args.ckpt_dir:
+        first = 1 + resume(args.ckpt_dir, world, rank, model, opt, gen)
+        if first > 1:
+            print(f"rank {rank}: resumed from {args.ckpt_dir} at step {first - 1} (attempt "
+                  f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')})", flush=True)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    for step in range(first, args.steps + 1):
+        if step == args.kill_at and rank == args.kill_rank and attempt == 0:
+            print(f"rank {rank}: killing itself before step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         x, y = (t.to(device) for t in sample_batch(train, args.batch, args.context, gen))
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
@@ -95,6 +140,8 @@ def main(argv=None) -> dict:
             say(f"step {step:5d}  stage {opt.stage:11s}  train {loss.item():.3f}  "
                 f"val {val_loss:.3f}  sent {opt.bytes_sent / 2**20:8.2f} MiB  "
                 f"(fp32 allreduce: {opt.dense_bytes / 2**20:8.2f} MiB)")
+        if args.ckpt_dir and step % args.ckpt_every == 0:
+            save(args.ckpt_dir, step, rank, model, opt, gen)
     # The compression stage's own traffic: its communicator counts every call.
     comm = opt.communicator if getattr(opt, "stage", None) == "compression" else None
     summary = {
@@ -118,6 +165,9 @@ def main(argv=None) -> dict:
     if opt.bytes_sent:
         say(f"whole run: {opt.bytes_sent / 2**20:.2f} MiB sent, Adam would have sent "
             f"{opt.dense_bytes / 2**20:.2f} MiB ({opt.compression_ratio:.2f}x less)")
+    if args.params_out:
+        torch.save([p.detach().cpu() for p in model.parameters()],
+                   f"{args.params_out}.rank{rank}.pt")
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)

@@ -1,0 +1,43 @@
+"""Surviving a fault end to end: torchrun --max-restarts restarts the job after a rank is killed
+(SIGKILL, compression stage); every rank resumes from the newest checkpoint all ranks wrote
+(its own error buffers included) and the job ends where the uninterrupted run ends, bit for
+bit."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from tests.procs import owned_processes
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def _run(start, out: Path, *extra: str) -> str:
+    argv = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "--max-restarts", "1",
+            str(ROOT / "examples" / "train_torchrun.py"), "--steps", "30", "--freeze-step", "8",
+            "--eval-every", "30", "--ckpt-dir", str(out / "ckpt"), "--ckpt-every", "5",
+            "--params-out", str(out / "params"), "--comm-timeout", "5", *extra]
+    proc = start(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                 env=dict(os.environ, OMP_NUM_THREADS="1"))
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output[-4000:]
+    return output
+
+
+def test_killed_rank_restarts_and_ends_where_the_uninterrupted_run_ends(tmp_path):
+    with owned_processes() as start:
+        _run(start, tmp_path / "straight")
+        output = _run(start, tmp_path / "faulty", "--kill-at", "18", "--kill-rank", "1")
+    assert "rank 1: killing itself before step 18" in output
+    for rank in (0, 1):  # both ranks restarted and took the step-15 checkpoint
+        assert f"rank {rank}: resumed from {tmp_path / 'faulty' / 'ckpt'} at step 15 " \
+               "(attempt 1)" in output, output[-4000:]
+    for rank in (0, 1):
+        straight = torch.load(tmp_path / "straight" / f"params.rank{rank}.pt")
+        faulty = torch.load(tmp_path / "faulty" / f"params.rank{rank}.pt")
+        for a, b in zip(straight, faulty, strict=True):
+            assert torch.equal(a, b)
