@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.dist_helpers import assert_ranks_identical
+from tests.procs import owned_processes
 
 pytest.importorskip("accelerate")
 
@@ -29,8 +30,10 @@ def _launch(out: Path, env: dict, *args: str, check: bool = True):
            "--steps", "30", "--accumulate", "2", "--clip", "1.0", "--out", str(out), *args]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("ONEBIT_")}
     full_env.update(ACCELERATE_USE_CPU="true", **env)
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True,
-                          timeout=300)
+    with owned_processes() as start:  # accelerate launch -> torchrun -> the workers
+        proc = start(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True)
+        proc.stdout, proc.stderr = proc.communicate(timeout=300)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc

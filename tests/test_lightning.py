@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.dist_helpers import assert_ranks_identical, run_ranks
+from tests.procs import owned_processes
 
 pytest.importorskip("pytorch_lightning")
 
@@ -22,9 +23,11 @@ FREEZE = 10
 def _fit(out: Path, *args: str) -> str:
     cmd = [sys.executable, str(SCRIPT), "--devices", "2", "--freeze-step", str(FREEZE),
            "--val-every", "10", "--log-every", "5", "--out", str(out), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return proc.stdout + proc.stderr
+    with owned_processes() as start:  # Lightning's own rank processes included
+        proc = start(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    return stdout + stderr
 
 
 def _ranks(out: Path) -> list[dict]:
