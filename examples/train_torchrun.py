@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from onebit_plugin import OneBitAdam
+from onebit_plugin import OneBitAdam, check_lockstep
 
 try:
     from charlm import CharGPT, evaluate, load_corpus, loss_fn, sample_batch
@@ -51,10 +51,13 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-dir", help="save every rank's state here and, on start, resume from "
                    "the newest step every rank saved (torchrun --max-restarts restarts)")
     p.add_argument("--ckpt-every", type=int, default=10)
-    p.add_argument("--kill-at", type=int, default=0,
-                   help="fault injection: --kill-rank SIGKILLs itself before this step, on the "
-                   "first attempt only (TORCHELASTIC_RESTART_COUNT=0)")
-    p.add_argument("--kill-rank", type=int, default=1)
+    p.add_argument("--kill-at", default="",
+                   help="fault injection, comma-separated steps: on attempt i (torchrun's "
+                   "TORCHELASTIC_RESTART_COUNT) rank --kill-rank[i] SIGKILLs itself before "
+                   "step i of this list")
+    p.add_argument("--kill-rank", default="1", help="comma-separated, one per --kill-at step")
+    p.add_argument("--check-lockstep", type=int, default=0,
+                   help="every N steps check that all ranks hold bit-identical parameters")
     p.add_argument("--params-out", help="each rank saves its final parameters to "
                    "<this>.rank<R>.pt")
     return p.parse_args(argv)
@@ -119,8 +122,11 @@ def main(argv=None) -> dict:
             print(f"rank {rank}: resumed from {args.ckpt_dir} at step {first - 1} (attempt "
                   f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')})", flush=True)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    kills = [int(k) for k in args.kill_at.split(",") if k]
+    kill_ranks = [int(r) for r in args.kill_rank.split(",")] * len(kills)
+    checks = 0
     for step in range(first, args.steps + 1):
-        if step == args.kill_at and rank == args.kill_rank and attempt == 0:
+        if attempt < len(kills) and step == kills[attempt] and rank == kill_ranks[attempt]:
             print(f"rank {rank}: killing itself before step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = (t.to(device) for t in sample_batch(train, args.batch, args.context, gen))
@@ -140,6 +146,9 @@ def main(argv=None) -> dict:
             say(f"step {step:5d}  stage {opt.stage:11s}  train {loss.item():.3f}  "
                 f"val {val_loss:.3f}  sent {opt.bytes_sent / 2**20:8.2f} MiB  "
                 f"(fp32 allreduce: {opt.dense_bytes / 2**20:8.2f} MiB)")
+        if args.check_lockstep and step % args.check_lockstep == 0:
+            check_lockstep(model.parameters(), opt)  # raises LockstepError on any difference
+            checks += 1
         if args.ckpt_dir and step % args.ckpt_every == 0:
             save(args.ckpt_dir, step, rank, model, opt, gen)
     # The compression stage's own traffic: its communicator counts every call.
@@ -157,6 +166,7 @@ def main(argv=None) -> dict:
         "compression_stage_dense_bytes": comm.dense_bytes if comm else 0,
         "mean_step_s": {k: sum(v) / len(v) for k, v in step_times.items() if v},
         "history": history,
+        "lockstep_checks": checks,
     }
     if comm is not None and comm.bytes_sent:
         say(f"compression stage: {comm.bytes_sent} bytes sent against "

@@ -231,11 +231,9 @@ class OneBitAdam(Optimizer):
 
     @property
     def comm_group(self) -> dist.ProcessGroup | None:
-        """The group all of OneBitAdam's collectives run on. With ``comm_timeout`` (and always
-        under the DDP hook) a group of its own over ``process_group``'s ranks, made at its first
-        use on every rank (the first ``step()``, or ``register_onebit_hook``), whose backend
-        timeout is ``comm_timeout``: a collective stuck on a dead or silent peer is released
-        by the backend too, and the process can exit (gloo joins its threads at exit)."""
+        """The group of all of OneBitAdam's collectives: with ``comm_timeout`` (and under the DDP
+        hook) one of its own, made on every rank at the first use, whose backend timeout is
+        ``comm_timeout``, so that a process can exit after a peer fails (docs/design.md)."""
         if not self._group_ready and self.comm_timeout is not None and self.world_size > 1:
             self._comm_group = _new_group(self.process_group, self.comm_timeout)
         self._group_ready = True
@@ -245,10 +243,8 @@ class OneBitAdam(Optimizer):
     def use_ddp_hook(self, process_group: dist.ProcessGroup | None, overlap: bool,
                      bucket_bytes: int) -> dist.ProcessGroup:
         """Called by ``register_onebit_hook`` on every rank: DDP's hook averages warm-up
-        gradients from now on; with ``overlap`` it also averages the momentum units inside
-        backward, in units of DDP's ``bucket_bytes`` (unless ``bucket_cap_mb`` was given).
-        Returns the hook's group: :attr:`comm_group`, now always one of its own, apart from
-        what DDP itself sends on ``process_group``."""
+        gradients from now on; with ``overlap`` also the units, inside backward, sized by DDP's
+        ``bucket_bytes`` unless ``bucket_cap_mb`` was given. Returns :attr:`comm_group`."""
         self.average_grads = False
         self._hook_params = set(self._trainable())
         if self.bucket_cap_mb is None and self._units is None and overlap:
@@ -334,13 +330,10 @@ class OneBitAdam(Optimizer):
             return
         params = self._trainable()
         config = {
-            "freeze_step": self.freeze_step,
-            "max_block": self.max_block,
-            "scale": SCALE_RULES.index(self.scale),
+            "freeze_step": self.freeze_step, "max_block": self.max_block,
+            "scale": SCALE_RULES.index(self.scale), "bucket bytes": self._unit_cap_bytes,
             "mask_zero_variance": int(self.mask_zero_variance),
-            "compress_momentum": int(self.compress_momentum),
-            "bucket bytes": self._unit_cap_bytes,
-            "global_step": self.global_step,
+            "compress_momentum": int(self.compress_momentum), "global_step": self.global_step,
             "trainable parameters": len(params),
             "trainable values": sum(p.numel() for p in params),
         }

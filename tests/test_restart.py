@@ -14,6 +14,10 @@ from tests.procs import owned_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
+# torchrun shares its rendezvous store with the workers by default, and a restarted worker can
+# read the previous attempt's gloo addresses from it ("connectFullMesh failed ... Connection
+# refused"; pytorch/pytorch#135712). A store of the workers' own avoids that.
+RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def _run(start, out: Path, *extra: str) -> str:
@@ -22,7 +26,7 @@ def _run(start, out: Path, *extra: str) -> str:
             "--eval-every", "30", "--ckpt-dir", str(out / "ckpt"), "--ckpt-every", "5",
             "--params-out", str(out / "params"), "--comm-timeout", "5", *extra]
     proc = start(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                 env=dict(os.environ, OMP_NUM_THREADS="1"))
+                 env=dict(os.environ, OMP_NUM_THREADS="1", **RESTARTABLE))
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output[-4000:]
     return output
