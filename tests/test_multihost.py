@@ -83,11 +83,15 @@ def test_two_hosts_train_then_survive_a_cut_link(tmp_path):
             time.sleep(0.1)
         agent_a_code = procs[0].wait(timeout=60)
         agent_a_after = time.monotonic() - cut_at
+        agent_b_code = procs[1].wait(timeout=60)  # its rendezvous store is across the cut
+        agent_b_after = time.monotonic() - cut_at
     text = "".join(lines)
     assert "onebit:" in text and "failed on rank 0 of 2 (timeout 3 s)" in text, text[-3000:]
     # The 3 s collective timeout plus the step that was already on the wire.
     print(f"survivor reported the cut link after {reported_after:.1f} s; workers gone after "
-          f"{gone}; host a's torchrun exited {agent_a_code} after {agent_a_after:.1f} s")
+          f"{gone}; host a's torchrun exited {agent_a_code} after {agent_a_after:.1f} s, "
+          f"host b's {agent_b_code} after {agent_b_after:.1f} s")
     assert reported_after < 10, reported_after
     assert len(gone) == 2 and max(gone.values()) < 3 + 10, gone
     assert agent_a_code != 0 and agent_a_after < 3 + 10, (agent_a_code, agent_a_after)
+    assert agent_b_code != 0 and agent_b_after < 3 + 10, (agent_b_code, agent_b_after)
