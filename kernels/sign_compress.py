@@ -12,6 +12,8 @@ The kernels run on the CPU under ``TRITON_INTERPRET=1`` for testing.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -76,7 +78,9 @@ def _server_compress_kernel(recv_packed_ptr, recv_scales_ptr, err_ptr, mask_ptr,
     total = tl.zeros((BYTES, 8), dtype=tl.float32)
     # Senders in rank order, as the torch reference sums them.
     for k in range(world):
-        byte = tl.load(recv_packed_ptr + k * chunk_bytes + byte_offs, mask=rows < block // 8,
+        # int64: W * chunk_bytes passes 2**31 for chunks of ~2e9 values (the flat path).
+        byte = tl.load(recv_packed_ptr + tl.cast(k, tl.int64) * chunk_bytes + byte_offs,
+                       mask=rows < block // 8,
                        other=0)
         total += _decode(byte, cols, tl.load(recv_scales_ptr + k * blocks_per_chunk + pid))
     keep = tl.load(mask_ptr + offs, mask=in_block, other=0) != 0
@@ -111,30 +115,39 @@ def _launch_config(layout: ChunkLayout, *tensors: torch.Tensor) -> dict:
     return {"BYTES": tile, "num_warps": min(8, max(1, tile // 32))}
 
 
+def _on_device(tensor: torch.Tensor):
+    """Triton launches on the *current* device and its current stream: make that the tensors'
+    device (a rank that never called ``torch.cuda.set_device`` would launch on GPU 0)."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
 def worker_compress(x, error, mask: CoordinateMask, layout: ChunkLayout, packed, scales) -> None:
     """Launcher of the worker pass; arguments as ``onebit_plugin.compression.worker_compress``."""
     config = _launch_config(layout, x, error, mask.keep, packed, scales)
-    _worker_compress_kernel[(layout.num_blocks,)](
-        x.view(-1), error, mask.keep.view(torch.uint8), mask.counts, packed, scales,
-        layout.numel, layout.block, RMS=layout.scale == "rms", **config,
-    )
+    with _on_device(x):
+        _worker_compress_kernel[(layout.num_blocks,)](
+            x.view(-1), error, mask.keep.view(torch.uint8), mask.counts, packed, scales,
+            layout.numel, layout.block, RMS=layout.scale == "rms", **config,
+        )
 
 
 def server_compress(recv_packed, recv_scales, error, mask: CoordinateMask, layout: ChunkLayout,
                     packed, scales) -> None:
     """Launcher of the server pass; arguments as ``onebit_plugin.compression.server_compress``."""
     config = _launch_config(layout, recv_packed, recv_scales, error, mask.keep, packed, scales)
-    _server_compress_kernel[(layout.blocks_per_chunk,)](
-        recv_packed, recv_scales, error, mask.keep.view(torch.uint8), mask.counts, packed, scales,
-        layout.world_size, layout.block, layout.blocks_per_chunk,
-        RMS=layout.scale == "rms", **config,
-    )
+    with _on_device(error):
+        _server_compress_kernel[(layout.blocks_per_chunk,)](
+            recv_packed, recv_scales, error, mask.keep.view(torch.uint8), mask.counts, packed,
+            scales, layout.world_size, layout.block, layout.blocks_per_chunk,
+            RMS=layout.scale == "rms", **config,
+        )
 
 
 def decompress(packed, scales, mask: CoordinateMask, layout: ChunkLayout, out) -> None:
     """Launcher of the final decode; arguments as ``onebit_plugin.compression.decompress``."""
     config = _launch_config(layout, packed, scales, mask.keep, out)
-    _decompress_kernel[(layout.num_blocks,)](
-        packed, scales, mask.keep.view(torch.uint8), out.view(-1), layout.numel, layout.block,
-        **config,
-    )
+    with _on_device(out):
+        _decompress_kernel[(layout.num_blocks,)](
+            packed, scales, mask.keep.view(torch.uint8), out.view(-1), layout.numel,
+            layout.block, **config,
+        )

@@ -88,6 +88,15 @@ def group_size_and_rank(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+def resolve_device(device) -> torch.device:
+    """``device`` with its index: "cuda" means the current GPU, so that it compares equal to the
+    ``cuda:N`` of the tensors made on it."""
+    device = torch.device(device or "cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def comm_executor(group) -> ThreadPoolExecutor:
     """The one background thread of ``group`` (None: the default group) that runs every
     asynchronous call of every communicator on it, in submission order."""
@@ -109,7 +118,7 @@ class Plan:
 
     def __init__(self, layout: ChunkLayout, keep: torch.Tensor | None, device, rank: int,
                  wire: bool):
-        self.layout, self.device = layout, torch.device(device)
+        self.layout, self.device = layout, resolve_device(device)
         self.mask = CoordinateMask.build(layout, keep, self.device)
         self.chunk_mask = self.mask.chunk(layout, rank)
         self.wire = _WireBuffers(layout, self.device) if wire else None
@@ -196,17 +205,19 @@ class _Communicator:
                out: torch.Tensor | None = None) -> torch.futures.Future:
         """:meth:`reduce_` on the group's background thread; the future's value is its bool."""
         event = None
-        if tensor.is_cuda:
+        if tensor.is_cuda:  # recorded on the tensor's device's stream, not the current device's
             event = torch.cuda.Event()
-            event.record()
-        future: torch.futures.Future = torch.futures.Future()
+            event.record(torch.cuda.current_stream(tensor.device))
+        future = torch.futures.Future(devices=[tensor.device] if tensor.is_cuda else None)
 
         def job():
             try:
                 if event is None:
                     future.set_result(self.reduce_(tensor, plan, errors, out))
                     return
-                # One side stream per communicator, ordered after the producer by the event.
+                # The thread is bound to the tensor's GPU (else it would use, and open a context
+                # on, GPU 0); one side stream per communicator, after the producer's event.
+                torch.cuda.set_device(tensor.device)
                 if self._stream is None:
                     self._stream = torch.cuda.Stream(device=tensor.device)
                 with torch.cuda.stream(self._stream):
@@ -343,7 +354,7 @@ class CompressedAllreduce:
                  device: torch.device | str | None = None,
                  timeout: float | timedelta | None = None):
         self.comm = OneBitAllreduce(group, max_block=max_block, scale=scale, timeout=timeout)
-        self.device = torch.device(device or "cpu")
+        self.device = resolve_device(device)
         self.plan = self.comm.plan(numel, mask, self.device)
         self.errors = self.plan.new_errors()
         self.last_call_skipped = False

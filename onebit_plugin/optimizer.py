@@ -31,7 +31,7 @@ from onebit_plugin.allreduce import (
     group_size_and_rank,
     wait_collectives,
 )
-from onebit_plugin.compression import SCALE_RULES
+from onebit_plugin.compression import SCALE_RULES, ChunkLayout
 from onebit_plugin.momentum import MomentumUnit, partition
 from onebit_plugin.update import adam_update_, frozen_update_
 
@@ -114,9 +114,9 @@ class OneBitAdam(Optimizer):
             )
         if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
             raise ValueError(f"freeze_step must be an int >= 1, got {freeze_step!r}")
-        if isinstance(max_block, bool) or not isinstance(max_block, int) or max_block % 8 or \
-                max_block < 8:
-            raise ValueError(f"max_block must be a positive multiple of 8, got {max_block!r}")
+        if isinstance(max_block, bool) or not isinstance(max_block, int):
+            raise ValueError(f"max_block must be an int, got {max_block!r}")
+        ChunkLayout.create(1, 1, max_block)  # the range check
         if scale not in SCALE_RULES:
             raise ValueError(f"scale must be one of {SCALE_RULES}, got {scale!r}")
         if comm_timeout is not None and not comm_timeout > 0:
@@ -521,7 +521,10 @@ class OneBitAdam(Optimizer):
         super().load_state_dict(state_dict)
         for p, tensors in fp32.items():
             for k, v in tensors.items():
-                self.state[p][k] = v.to(device=p.device if k != "step" else v.device, copy=True)
+                # Step counters stay on the CPU (as torch's Adam keeps them), so that reading
+                # them never syncs with a GPU, whatever map_location loaded them to.
+                self.state[p][k] = v.to(device="cpu" if k in ("step", "frozen_step")
+                                        else p.device, copy=True)
         self._units, self._unit_of, self._averaged = None, {}, {}  # rebuilt from the new state
         self._settings_checked = False
         if onebit is not None:

@@ -1,5 +1,9 @@
 """Triton kernels (under TRITON_INTERPRET=1 on the CPU) against the torch reference."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -128,3 +132,38 @@ def test_launchers_reject_strided_or_scattered_tensors():
         kernels.worker_compress(torch.randn(128)[::2], error, mask, layout, packed, scales)
     with pytest.raises(ValueError, match=r"several devices: \['cpu', 'meta'\]"):
         kernels.decompress(packed, scales, mask, layout, torch.empty(64, device="meta"))
+
+
+_COMPILE = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from onebit_plugin.kernels import sign_compress as k
+
+common = {"err_ptr": "*fp32", "mask_ptr": "*u8", "counts_ptr": "*fp32", "packed_ptr": "*u8",
+          "scales_ptr": "*fp32", "block": "i32", "BYTES": "constexpr", "RMS": "constexpr"}
+kernels = {
+    k._worker_compress_kernel: {"x_ptr": "*bf16", **common, "n": "i64"},
+    k._server_compress_kernel: {"recv_packed_ptr": "*u8", "recv_scales_ptr": "*fp32", **common,
+                                "world": "i32", "blocks_per_chunk": "i32"},
+    k._decompress_kernel: {"packed_ptr": "*u8", "scales_ptr": "*fp32", "mask_ptr": "*u8",
+                           "out_ptr": "*fp16", "n": "i64", "block": "i32", "BYTES": "constexpr"},
+}
+for fn, sig in kernels.items():
+    consts = {"BYTES": 256, "RMS": True} if "RMS" in sig else {"BYTES": 256}
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    print(fn.__name__, len(compiled.asm["ptx"]) > 0)
+"""
+
+
+def test_kernels_compile_for_a_gpu_without_one():
+    """The interpreter accepts code that the compiler rejects (and the reverse): compile each
+    kernel for sm_90 on the CPU, in a process without TRITON_INTERPRET."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["_worker_compress_kernel", "True", "_server_compress_kernel",
+                                   "True", "_decompress_kernel", "True"], proc.stdout

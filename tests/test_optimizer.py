@@ -250,6 +250,8 @@ def test_state_dict_round_trip_continues_the_same_trajectory(save_at, tmp_path):
         ({"freeze_step": 0}, "freeze_step must be an int >= 1"),
         ({"freeze_step": 2.5}, "freeze_step must be an int >= 1"),
         ({"max_block": 100}, "max_block must be a positive multiple of 8"),
+        ({"max_block": 2**17}, "max_block must be a positive multiple of 8 up to 16384, got "
+                               "131072"),
         ({"scale": "max"}, "scale must be one of"),
     ],
 )
