@@ -58,6 +58,9 @@ class CharModule(pl.LightningModule):
         # The batch is a function of (seed, rank, step, micro-batch), not of the loader's
         # position, so a run resumed from a checkpoint sees the batches of the uninterrupted run.
         a = self.args
+        if a.hang_at and self.global_step + 1 == a.hang_at and self.global_rank == 1:
+            print("FAULT", flush=True)
+            time.sleep(3600)
         micro = batch_idx % a.accumulate
         gen = torch.Generator().manual_seed(
             ((a.seed * 1009 + self.global_rank) * 1_000_003 + self.global_step) * 64 + micro)
@@ -96,7 +99,8 @@ class CharModule(pl.LightningModule):
         a = self.args
         if a.optimizer == "adam":
             return torch.optim.Adam(self.parameters(), lr=a.lr)
-        return OneBitAdam(self.parameters(), lr=a.lr, freeze_step=a.freeze_step)
+        return OneBitAdam(self.parameters(), lr=a.lr, freeze_step=a.freeze_step,
+                          comm_timeout=a.comm_timeout)
 
 
 def parse_args(argv=None):
@@ -127,6 +131,10 @@ def parse_args(argv=None):
                    help="verify every N steps that all ranks hold identical parameters")
     p.add_argument("--out", default="lightning_out")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--comm-timeout", type=float, default=None,
+                   help="seconds a collective may take before the step raises")
+    p.add_argument("--hang-at", type=int, default=0,
+                   help="fault injection: rank 1 hangs before this optimizer step")
     return p.parse_args(argv)
 
 

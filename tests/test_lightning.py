@@ -5,6 +5,7 @@ import csv
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -222,3 +223,24 @@ def test_accumulation_logs_and_checks_once_per_optimizer_step(tmp_path):
     assert [r["lockstep_checks"] for r in ranks] == [12, 12]  # not 4 per optimizer step
     logged = [step for step, _ in _csv_column(tmp_path, "onebit/stage")]
     assert logged == list(range(1, 13)), logged
+
+
+def test_rank_zero_exits_when_its_peer_hangs(tmp_path):
+    """strategy="onebit_adam" with comm_timeout=3: rank 1 hangs at step 20, rank 0 raises
+    CommunicationError and its process ends, non-zero. (Lightning does not end the hung rank it
+    started; owned_processes does, and checks that nothing is left.)"""
+    cmd = [sys.executable, str(SCRIPT), "--devices", "2", "--steps", "40", "--freeze-step",
+           str(FREEZE), "--comm-timeout", "3", "--hang-at", "20", "--out", str(tmp_path)]
+    log = tmp_path / "log.txt"
+    with owned_processes() as start, open(log, "w") as sink:
+        started = time.monotonic()
+        # A file, not a pipe: the hung rank keeps its copy of the output open.
+        proc = start(cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
+        proc.wait(timeout=120)
+        elapsed = time.monotonic() - started
+    output = log.read_text()
+    assert proc.returncode not in (0, None), output[-3000:]
+    assert "CommunicationError: onebit: the compressed allreduce" in output, output[-3000:]
+    assert "failed on rank 0 of 2 (timeout 3 s)" in output
+    print(f"rank 0 exited {proc.returncode} {elapsed:.1f} s after the start")
+    assert elapsed < 60, elapsed
