@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -35,6 +36,8 @@ def parse_args(argv=None):
     p.add_argument("--save-at", type=int, default=0, help="save_state after this step, then "
                    "load_state into a fresh model and optimizer and continue from it")
     p.add_argument("--load-from", help="load_state from this folder first, then train on")
+    p.add_argument("--hang-at", type=int, default=0,
+                   help="fault injection: process 1 hangs in this optimizer step, after forward")
     p.add_argument("--plain-accelerate", action="store_true")
     p.add_argument("--out", default="accelerate_out")
     return p.parse_args(argv)
@@ -73,6 +76,10 @@ def main(argv=None) -> None:
             with accelerator.accumulate(model):
                 with accelerator.autocast():
                     loss = loss_fn(model, x, y)
+                # After the forward, whose DDP buffer broadcast runs on DDP's own group.
+                if args.hang_at == step + 1 and accelerator.process_index == 1:
+                    print("FAULT", flush=True)
+                    time.sleep(3600)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and args.clip:
                     accelerator.clip_grad_norm_(model.parameters(), args.clip)

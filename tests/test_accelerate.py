@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,26 @@ def test_unreadable_or_foreign_rank_files_are_clear_errors(tmp_path):
     assert (f"{state / 'onebit_rank0.pt'} was saved at (step, switch step) (11, 10), the "
             "optimizer state of this checkpoint at (12, 10)") in proc.stderr
     assert f"{state / 'onebit_rank1.pt'}: cannot read this rank's OneBitAdam" in proc.stderr
+
+
+def test_survivor_exits_when_its_peer_hangs(tmp_path):
+    """ONEBIT_TIMEOUT=3: process 1 hangs at step 20; process 0 raises CommunicationError and
+    ends, torchrun (under accelerate launch) ends the hung one, the launch fails."""
+    log = tmp_path / "log.txt"
+    cmd = [str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+           "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT),
+           "--steps", "40", "--hang-at", "20", "--out", str(tmp_path)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ONEBIT_")}
+    env.update(ACCELERATE_USE_CPU="true", ONEBIT_ADAM="1", ONEBIT_FREEZE_STEP="10",
+               ONEBIT_TIMEOUT="3")
+    with owned_processes() as start, open(log, "w") as sink:
+        started = time.monotonic()
+        proc = start(cmd, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        proc.wait(timeout=120)
+        elapsed = time.monotonic() - started
+    output = log.read_text()
+    assert proc.returncode != 0, output[-3000:]
+    assert "onebit: the compressed allreduce" in output and "(timeout 3 s)" in output, \
+        output[-3000:]
+    print(f"accelerate launch exited {proc.returncode} {elapsed:.1f} s after the start")
+    assert elapsed < 60, elapsed
