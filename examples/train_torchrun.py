@@ -11,6 +11,7 @@ Runs on CPU (gloo) or GPU (NCCL) unchanged.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -51,6 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-dir", help="save every rank's state here and, on start, resume from "
                    "the newest step every rank saved (torchrun --max-restarts restarts)")
     p.add_argument("--ckpt-every", type=int, default=10)
+    p.add_argument("--ckpt-keep", type=int, default=3, help="checkpoints kept (>= 2)")
     p.add_argument("--kill-at", default="",
                    help="fault injection, comma-separated steps: on attempt i (torchrun's "
                    "TORCHELASTIC_RESTART_COUNT) rank --kill-rank[i] SIGKILLs itself before "
@@ -63,14 +65,19 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def save(folder: str, step: int, rank: int, model, opt, gen) -> None:
+def save(folder: str, step: int, rank: int, model, opt, gen, keep: int, every: int) -> None:
     """This rank's whole state after ``step`` (its own error buffers are in ``opt``'s), written
-    to a temporary name first so that a kill never leaves a half-written file behind."""
+    to a temporary name first so that a kill never leaves a half-written file behind. Each rank
+    then deletes its own file of ``keep`` checkpoints ago (the newer ones stay complete)."""
     path = Path(folder) / f"step{step:08d}" / f"rank{rank}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"step": step, "model": model.state_dict(), "opt": opt.state_dict(),
                 "gen": gen.get_state()}, path.with_suffix(".tmp"))
     os.replace(path.with_suffix(".tmp"), path)
+    old = Path(folder) / f"step{step - keep * every:08d}"
+    (old / f"rank{rank}.pt").unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        old.rmdir()  # the last rank to delete its file removes the folder
 
 
 def resume(folder: str, world: int, rank: int, model, opt, gen) -> int:
@@ -89,6 +96,8 @@ def resume(folder: str, world: int, rank: int, model, opt, gen) -> int:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.ckpt_keep < 2:
+        raise SystemExit("--ckpt-keep must be >= 2: the newest checkpoint may be incomplete")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     owns_group = "RANK" in os.environ and not dist.is_initialized()
     if owns_group:
@@ -121,6 +130,9 @@ def main(argv=None) -> dict:
         if first > 1:
             print(f"rank {rank}: resumed from {args.ckpt_dir} at step {first - 1} (attempt "
                   f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')})", flush=True)
+        if first > args.steps:
+            print(f"rank {rank}: the checkpoint is at step {first - 1}, past --steps "
+                  f"{args.steps}: nothing to train", flush=True)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     kills = [int(k) for k in args.kill_at.split(",") if k]
     kill_ranks = [int(r) for r in args.kill_rank.split(",")] * len(kills)
@@ -150,7 +162,9 @@ def main(argv=None) -> dict:
             check_lockstep(model.parameters(), opt)  # raises LockstepError on any difference
             checks += 1
         if args.ckpt_dir and step % args.ckpt_every == 0:
-            save(args.ckpt_dir, step, rank, model, opt, gen)
+            save(args.ckpt_dir, step, rank, model, opt, gen, args.ckpt_keep, args.ckpt_every)
+    if not history:  # resumed at or past --steps
+        history.append((first - 1, float("nan"), evaluate(model, val.to(device), args.context)))
     # The compression stage's own traffic: its communicator counts every call.
     comm = opt.communicator if getattr(opt, "stage", None) == "compression" else None
     summary = {

@@ -76,7 +76,8 @@ def wait_collectives(works: list, timeout: timedelta | None, what: str, group=No
         world, rank = group_size_and_rank(group)
         limit = "" if timeout is None else f" (timeout {timeout.total_seconds():g} s)"
         raise CommunicationError(
-            f"onebit: {what} failed on rank {rank} of {world}{limit}: {exc}. A peer rank has "
+            f"onebit: {what} failed on rank {rank} of {world}{limit}: "
+            f"{str(exc).rstrip('.! ')}. A peer rank has "
             "probably stopped, hung or lost its network; the step cannot complete. Resume "
             "from the last checkpoint."
         ) from exc
