@@ -125,7 +125,7 @@ def parse_args(argv=None):
     p.add_argument("--val-every", type=int, default=100)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--ckpt-every", type=int, default=0, help="ModelCheckpoint every N steps")
-    p.add_argument("--resume", help="checkpoint path for fit(ckpt_path=...)")
+    p.add_argument("--resume", help="fit(ckpt_path=...): a checkpoint path, or 'last'")
     p.add_argument("--test", action="store_true", help="run trainer.test after fit")
     p.add_argument("--check-lockstep", type=int, default=0,
                    help="verify every N steps that all ranks hold identical parameters")
@@ -153,7 +153,7 @@ def main(argv=None) -> None:
     if args.ckpt_every:
         callbacks.append(pl.callbacks.ModelCheckpoint(
             dirpath=out / "ckpt", every_n_train_steps=args.ckpt_every, save_top_k=-1,
-            filename="{step}",
+            filename="{step}", save_last=True,  # for fit(ckpt_path="last"): --resume last
         ))
     strategy = args.strategy if args.optimizer == "onebit" else "ddp"
     trainer = pl.Trainer(

@@ -163,6 +163,7 @@ def main(argv=None) -> dict:
             checks += 1
         if args.ckpt_dir and step % args.ckpt_every == 0:
             save(args.ckpt_dir, step, rank, model, opt, gen, args.ckpt_keep, args.ckpt_every)
+            say(f"step {step}: checkpoint written", flush=True)
     if not history:  # resumed at or past --steps
         history.append((first - 1, float("nan"), evaluate(model, val.to(device), args.context)))
     # The compression stage's own traffic: its communicator counts every call.

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
+import torch
+
 from onebit_plugin.ddp_hook import register_onebit_hook
 from onebit_plugin.optimizer import OneBitAdam
 
@@ -46,7 +48,10 @@ def make_strategy_class(pl, callback_cls, module: str):
             record_timeline: keep per-bucket timings in ``hook_state.timeline``.
             comm_timeout: seconds a compressed allreduce may take before the step raises
                 ``CommunicationError`` (a peer died, hung or lost its link); default: the
-                optimizer's ``comm_timeout``, else the process group's ``timeout``.
+                optimizer's ``comm_timeout``, else the process group's ``timeout``. Unless
+                ``timeout=`` is given, the default group's collectives (Lightning's per-batch
+                broadcast, barriers, DDP's) get this timeout too, so a hung peer ends the fit
+                within it wherever it hangs.
             **kwargs: everything ``DDPStrategy`` takes (``find_unused_parameters``,
                 ``bucket_cap_mb``, ``timeout``, ``start_method``, ...). ``ddp_comm_hook``,
                 ``ddp_comm_state`` and ``ddp_comm_wrapper`` are taken by the 1-bit hook.
@@ -74,11 +79,36 @@ def make_strategy_class(pl, callback_cls, module: str):
                         "set"
                     )
             super().__init__(**kwargs)
+            # None: the default group's timeout follows comm_timeout once that is known.
+            self._user_timeout = kwargs.get("timeout")
             self.overlap = overlap
             self.add_callback = add_callback
             self.record_timeline = record_timeline
             self.comm_timeout = comm_timeout
             self.hook_state = None
+
+        def _bound_default_group(self, comm_timeout: timedelta | None) -> None:
+            """Lightning's own collectives run on the default group: a broadcast at every batch
+            (the SIGTERM check), barriers, DDP's buffer broadcast. A peer that hangs outside
+            OneBitAdam's collectives (between two micro-batches, in data loading) is only
+            noticed there, after that group's timeout (30 minutes by default), so with
+            ``comm_timeout`` and no ``timeout=`` of the user's the default group gets
+            ``comm_timeout`` too. It is set after the rendezvous, whose store timeout stays the
+            default (ranks may start seconds apart). A checkpoint that rank 0 writes for longer
+            than ``comm_timeout`` while the others wait at a barrier then fails: size it."""
+            if comm_timeout is None or self._user_timeout is not None or self.world_size < 2:
+                return
+            set_timeout = getattr(torch.distributed.distributed_c10d, "_set_pg_timeout", None)
+            if set_timeout is None:  # private in torch; present since 2.3
+                log.warning(
+                    "onebit: this torch cannot change the default process group's timeout; "
+                    "Lightning's own collectives wait up to %s for a hung peer. Pass "
+                    "OneBitAdamStrategy(timeout=timedelta(seconds=...)) to bound them.",
+                    self._timeout)
+                return
+            set_timeout(comm_timeout)
+            log.info("onebit: the default process group's timeout is comm_timeout (%s)",
+                     comm_timeout)
 
         @override
         def setup_environment(self) -> None:
@@ -115,6 +145,7 @@ def make_strategy_class(pl, callback_cls, module: str):
                 )
             if self.comm_timeout is not None:
                 optimizers[0].comm_timeout = timedelta(seconds=self.comm_timeout)
+            self._bound_default_group(optimizers[0].comm_timeout)
             self.hook_state = register_onebit_hook(
                 self.model, optimizers[0], overlap=self.overlap,
                 record_timeline=self.record_timeline,

@@ -18,6 +18,7 @@ collectives keep the same order on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -75,12 +76,29 @@ def wait_collectives(works: list, timeout: timedelta | None, what: str, group=No
     except RuntimeError as exc:
         world, rank = group_size_and_rank(group)
         limit = "" if timeout is None else f" (timeout {timeout.total_seconds():g} s)"
+        _abort_if_nccl(group)
         raise CommunicationError(
             f"onebit: {what} failed on rank {rank} of {world}{limit}: "
             f"{str(exc).rstrip('.! ')}. A peer rank has "
             "probably stopped, hung or lost its network; the step cannot complete. Resume "
             "from the last checkpoint."
         ) from exc
+
+
+def _abort_if_nccl(group) -> None:
+    """An NCCL collective that timed out stays enqueued on the GPU, and the process cannot end
+    while it is; gloo releases its thread at its own timeout (``comm_timeout`` on OneBitAdam's
+    group). So on NCCL the group is aborted, as torch's docs prescribe, before the error is
+    raised. Not run on a GPU yet (docs/guarantees.md); NCCL's watchdog, with the same timeout
+    and the default ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, may end the process first."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_backend(group) != "nccl":
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # torch >= 2.6
+    if abort is not None:
+        with contextlib.suppress(Exception):  # already aborted by the watchdog
+            abort(group)
 
 
 def group_size_and_rank(group) -> tuple[int, int]:

@@ -47,6 +47,9 @@ class Host:
     def cut_link(self) -> None:
         _ip("-n", self.netns, "link", "set", self.ifname, "down")
 
+    def restore_link(self) -> None:
+        _ip("-n", self.netns, "link", "set", self.ifname, "up")
+
 
 @contextlib.contextmanager
 def emulated_hosts(count: int, rate: str | None = None, delay: str | None = None):

@@ -92,3 +92,30 @@ def test_training_resumes_from_the_last_checkpoint_after_a_fault(tmp_path):
     # Both ranks finish from their own checkpoints of step FAULT_STEP, in lockstep.
     for a, b in zip(*resumed, strict=True):
         assert torch.equal(a, b)
+
+
+class _TimedOut:
+    def wait(self, timeout=None):
+        raise RuntimeError("Timed out waiting 2000ms for recv operation to complete")
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_a_timed_out_group_is_aborted_on_nccl_only(monkeypatch, backend):
+    """What the CPU can show of the NCCL error path: the group whose collective failed is
+    aborted before CommunicationError is raised when (and only when) it is an NCCL group."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from onebit_plugin import allreduce
+
+    aborted = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", aborted.append)
+    group = object()
+    with pytest.raises(allreduce.CommunicationError, match="failed on rank 0 of 2"):
+        allreduce.wait_collectives([_TimedOut()], timedelta(seconds=2), "a test", group)
+    assert aborted == ([group] if backend == "nccl" else [])

@@ -225,12 +225,16 @@ def test_accumulation_logs_and_checks_once_per_optimizer_step(tmp_path):
     assert logged == list(range(1, 13)), logged
 
 
-def test_rank_zero_exits_when_its_peer_hangs(tmp_path):
-    """strategy="onebit_adam" with comm_timeout=3: rank 1 hangs at step 20, rank 0 raises
-    CommunicationError and its process ends, non-zero. (Lightning does not end the hung rank it
-    started; owned_processes does, and checks that nothing is left.)"""
-    cmd = [sys.executable, str(SCRIPT), "--devices", "2", "--steps", "40", "--freeze-step",
-           str(FREEZE), "--comm-timeout", "3", "--hang-at", "20", "--out", str(tmp_path)]
+def test_rank_zero_exits_when_its_peer_hangs_and_fit_resumes_from_last(fp32_run, tmp_path):
+    """strategy="onebit_adam" with comm_timeout=3 and the fp32 run's settings: rank 1 hangs at
+    step 20, rank 0 raises CommunicationError and its process ends, non-zero. (Lightning does not
+    end the hung rank it started; owned_processes does, and checks that nothing is left.) Then
+    fit(ckpt_path="last") on the same folder ends bit for bit where the uninterrupted run ended."""
+    settings = ["--steps", "30", "--precision", "32-true", "--accumulate", "2", "--clip", "1.0",
+                "--ckpt-every", "5", "--check-lockstep", "1", "--comm-timeout", "3"]
+    cmd = [sys.executable, str(SCRIPT), "--devices", "2", "--freeze-step", str(FREEZE),
+           "--val-every", "10", "--log-every", "5", "--out", str(tmp_path), *settings,
+           "--hang-at", "20"]
     log = tmp_path / "log.txt"
     with owned_processes() as start, open(log, "w") as sink:
         started = time.monotonic()
@@ -244,3 +248,13 @@ def test_rank_zero_exits_when_its_peer_hangs(tmp_path):
     assert "failed on rank 0 of 2 (timeout 3 s)" in output
     print(f"rank 0 exited {proc.returncode} {elapsed:.1f} s after the start")
     assert elapsed < 60, elapsed
+    assert not (tmp_path / "rank0.pt").exists()
+
+    resumed_log = _fit(tmp_path, *settings, "--resume", "last")
+    assert "Restoring states from the checkpoint path at" in resumed_log and \
+        "last.ckpt" in resumed_log, resumed_log[-3000:]
+    uninterrupted, resumed = _ranks(fp32_run[0]), _ranks(tmp_path)
+    assert resumed[0]["global_step"] == 30
+    for r in range(2):
+        for a, b in zip(uninterrupted[r]["params"], resumed[r]["params"], strict=True):
+            assert torch.equal(a, b)
