@@ -169,6 +169,8 @@ class OneBitAdam(Optimizer):
         self._grad_flat: torch.Tensor | None = None
         self._settings_checked = False
         self._hook_params: set | None = None  # what the DDP hook averages, once registered
+        # Set when the first step's gradients were already identical on every rank (below).
+        self.averaged_elsewhere = False
 
     # ----------------------------------------------------------------------------- properties
     @property
@@ -215,7 +217,10 @@ class OneBitAdam(Optimizer):
 
     @property
     def compression_ratio(self) -> float:
-        """``dense_bytes / bytes_sent`` over the run so far (inf while nothing was sent)."""
+        """``dense_bytes / bytes_sent`` over the run so far (inf while nothing was sent; nan
+        when something else also averaged the gradients: see :attr:`averaged_elsewhere`)."""
+        if self.averaged_elsewhere:
+            return math.nan
         return self.dense_bytes / self.bytes_sent if self.bytes_sent else math.inf
 
     def _compression_counts(self) -> tuple[int, int]:
@@ -338,12 +343,18 @@ class OneBitAdam(Optimizer):
             "trainable values": sum(p.numel() for p in params),
         }
         local = torch.tensor(list(config.values()), dtype=torch.int64)
+        # The gradients' fingerprint travels in the same gather (float64 bits as int64).
+        fingerprint = self._grad_fingerprint(params).view(torch.int64)
+        local = torch.cat([local, fingerprint.to(local.device)])
         if params and params[0].is_cuda:  # NCCL gathers device tensors
             local = local.to(params[0].device)
         world = self.world_size
         gathered = [torch.empty_like(local) for _ in range(world)]
         work = dist.all_gather(gathered, local, group=self.comm_group, async_op=True)
         wait_collectives([work], self.comm_timeout, "the settings check", self.comm_group)
+        prints = {tuple(g[len(config):].tolist()) for g in gathered}
+        if len(prints) == 1 and fingerprint[1] != 0 and not self.averaged_elsewhere:
+            self._say_averaged_elsewhere(world)
         for i, name in enumerate(config):
             values = [int(g[i]) for g in gathered]
             if len(set(values)) > 1:
@@ -351,6 +362,33 @@ class OneBitAdam(Optimizer):
                     f"OneBitAdam's {name} differs between ranks: {values} (rank 0..{world - 1});"
                     " every rank must use the same settings and parameters"
                 )
+
+    def _grad_fingerprint(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """Sum and sum of squares of this rank's gradients (float64, on the CPU), or zeros when
+        the DDP hook averages them (identical by design). Each rank computes its gradients from
+        its own data, so identical fingerprints on every rank mean that something averaged them
+        before ``step()``."""
+        out = torch.zeros(2, dtype=torch.float64)
+        if self._hook_params is not None:
+            return out
+        grads = [p.grad.detach().double() for p in params if p.grad is not None]
+        if grads:  # the first step only: one host sync for the whole check
+            out = torch.stack([sum(g.sum() for g in grads),
+                               sum(g.square().sum() for g in grads)]).cpu()
+        return out
+
+    def _say_averaged_elsewhere(self, world: int) -> None:
+        self.averaged_elsewhere = True
+        log.warning(
+            "onebit: the gradients reaching OneBitAdam.step() are identical on all %d ranks: "
+            "something already averaged them (DDP without the 1-bit hook, FSDP, another "
+            "wrapper), so each step also sends a full fp32 allreduce and compression_ratio "
+            "reports nan. Fix: Lightning Trainer(strategy='onebit_adam'); Fabric(strategy="
+            "'onebit_adam'); Accelerate scripts and transformers.Trainer: launch with "
+            "`onebit-run accelerate launch ...`; your own DDP model: "
+            "onebit_plugin.register_onebit_hook(ddp_model, optimizer) before the first backward; "
+            "no DDP: pass the bare model to OneBitAdam. (If every rank trained on the same "
+            "batch, give each rank its own data.)", world)
 
     def _hyper(self):
         """Each trainable parameter with its group's hyperparameters, as the update functions
@@ -599,8 +637,9 @@ def _ring_bytes(nbytes: int, world: int) -> int:
 
 
 def _check_hparams(lr, betas, eps, weight_decay) -> None:
-    if not isinstance(lr, float | int) or not lr > 0:
-        raise ValueError(f"lr must be > 0, got {lr!r}")
+    # lr = 0 is allowed, as in torch's Adam: a warm-up LR schedule starts there.
+    if not isinstance(lr, float | int) or not lr >= 0:
+        raise ValueError(f"lr must be >= 0, got {lr!r}")
     if not isinstance(betas, tuple | list) or len(betas) != 2:
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
     for name, b in zip(("betas[0]", "betas[1]"), betas, strict=True):

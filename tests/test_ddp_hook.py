@@ -251,3 +251,35 @@ def _mismatch_worker(rank, world):
 def test_register_rejects_a_model_and_optimizer_with_other_parameters():
     for message in run_ranks(_mismatch_worker, 2):
         assert "2 of the model's are not in OneBitAdam" in message
+
+
+def _guard_worker(rank, world, setup):
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("onebit_plugin").addHandler(handler)
+    model = _mlp()
+    if setup in ("ddp-without-hook", "ddp-with-hook"):
+        model = DDP(model)
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    if setup == "ddp-with-hook":
+        register_onebit_hook(model, opt)
+    for step in range(4):
+        _step(model, opt, rank, step)
+    said = [r.getMessage() for r in records if "identical on all" in r.getMessage()]
+    return said, opt.averaged_elsewhere, opt.compression_ratio
+
+
+@pytest.mark.parametrize("setup", ["ddp-without-hook", "ddp-with-hook", "no-ddp"])
+def test_gradients_averaged_before_step_are_said_once_and_no_ratio_is_reported(setup):
+    """DDP's own allreduce before OneBitAdam.step() (no hook): said once on every rank, with
+    the fixes, and compression_ratio is nan instead of a ratio that did not happen."""
+    for said, flagged, ratio in run_ranks(_guard_worker, 2, setup):
+        if setup == "ddp-without-hook":
+            assert len(said) == 1 and "register_onebit_hook" in said[0], said
+            assert "strategy='onebit_adam'" in said[0] and "onebit-run" in said[0]
+            assert flagged and ratio != ratio  # nan
+        else:
+            assert said == [] and not flagged and ratio > 1, (said, ratio)

@@ -239,8 +239,7 @@ def test_state_dict_round_trip_continues_the_same_trajectory(save_at, tmp_path):
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        ({"lr": 0.0}, "lr must be > 0"),
-        ({"lr": -1e-3}, "lr must be > 0"),
+        ({"lr": -1e-3}, "lr must be >= 0"),
         ({"betas": (1.0, 0.999)}, r"betas\[0\] must be in \[0, 1\)"),
         ({"betas": (0.9, -0.1)}, r"betas\[1\] must be in \[0, 1\)"),
         ({"betas": (0.9,)}, "betas must be a pair"),
