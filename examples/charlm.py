@@ -61,14 +61,16 @@ class CharGPT(nn.Module):
         self.head = nn.Linear(dim, vocab)
         nn.init.normal_(self.tok.weight, std=0.02)
         nn.init.normal_(self.pos, std=0.02)
-        mask = torch.full((context, context), float("-inf")).triu(1)
-        self.register_buffer("causal", mask, persistent=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
         x = self.tok(idx) + self.pos[:t]
+        # Made here, not kept as a buffer: DDP broadcasts every buffer from rank 0 at each
+        # forward, uncompressed (16 KB per step for a 64-token mask, as much as this model's
+        # whole 1-bit momentum exchange).
+        causal = torch.full((t, t), float("-inf"), device=x.device, dtype=x.dtype).triu(1)
         for block in self.blocks:
-            x = block(x, self.causal[:t, :t])
+            x = block(x, causal)
         return self.head(self.ln(x))
 
 

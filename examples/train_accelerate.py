@@ -1,13 +1,19 @@
-"""Train the character-level GPT with an ordinary Accelerate loop; 1-bit Adam is a launch flag.
+"""Train the character-level GPT with an ordinary Accelerate loop; 1-bit Adam is a launch switch.
 
-    accelerate launch --cpu --num_processes 2 examples/train_accelerate.py           # Adam
-    ONEBIT_ADAM=1 ONEBIT_FREEZE_STEP=60 \\
-        accelerate launch --cpu --num_processes 2 examples/train_accelerate.py       # 1-bit
+    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 \\
+        examples/train_accelerate.py                                                # AdamW
+    ACCELERATE_USE_CPU=true onebit-run --freeze-step 60 \\
+        accelerate launch --multi_gpu --num_processes 2 \\
+        examples/train_accelerate.py                                                # 1-bit
 
-The only change from a plain Accelerate script is where ``Accelerator`` comes from
-(``--plain-accelerate`` uses ``accelerate.Accelerator`` itself, for comparison). Uses
-``accelerator.accumulate``, ``clip_grad_norm_``, an LR scheduler and, with ``--save-at``,
-``save_state``/``load_state``.
+A plain Accelerate script in the style of Accelerate's own examples: ``accelerate.Accelerator``,
+AdamW with a linear warm-up schedule from lr 0, ``accelerator.accumulate``,
+``clip_grad_norm_`` and, with ``--save-at``/``--load-from``, ``save_state``/``load_state``.
+Nothing of onebit_plugin is imported: ``onebit-run`` patches Accelerate as it loads.
+``--explicit-import`` takes ``Accelerator`` from ``onebit_plugin.integrations.accelerate_flag``
+instead (the route that needs ``ONEBIT_ADAM=1`` but no launcher); ``--separate-prepare`` calls
+``prepare`` once per object. ``--wire-out`` records each step's bytes written by the process
+(``examples/wire.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from charlm import CharGPT, evaluate, load_corpus, loss_fn, sample_batch  # noqa: E402
+from wire import WireLog  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -38,7 +45,9 @@ def parse_args(argv=None):
     p.add_argument("--load-from", help="load_state from this folder first, then train on")
     p.add_argument("--hang-at", type=int, default=0,
                    help="fault injection: process 1 hangs in this optimizer step, after forward")
-    p.add_argument("--plain-accelerate", action="store_true")
+    p.add_argument("--explicit-import", action="store_true")
+    p.add_argument("--separate-prepare", action="store_true")
+    p.add_argument("--wire-out", help="per-step bytes written, as JSON (examples/wire.py)")
     p.add_argument("--out", default="accelerate_out")
     return p.parse_args(argv)
 
@@ -49,17 +58,23 @@ def build(args, accelerator_cls):
     torch.manual_seed(0)
     model = CharGPT(context=args.context)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    # Linear warm-up from lr 0, like transformers' get_linear_schedule_with_warmup.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, s / 20))
+    if args.separate_prepare:
+        model = accelerator.prepare(model)
+        optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
+    else:
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     return accelerator, model, optimizer, scheduler
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.plain_accelerate:
-        from accelerate import Accelerator
-    else:
+    if args.explicit_import:
         from onebit_plugin.integrations.accelerate_flag import Accelerator
+    else:
+        from accelerate import Accelerator
+    wire = WireLog()
     accelerator, model, optimizer, scheduler = build(args, Accelerator)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -87,6 +102,7 @@ def main(argv=None) -> None:
                 scheduler.step()
                 optimizer.zero_grad()
         step += 1
+        wire.mark(step)
         if step == args.save_at:
             accelerator.save_state(out / "state")
             accelerator.wait_for_everyone()
@@ -94,6 +110,8 @@ def main(argv=None) -> None:
             accelerator, model, optimizer, scheduler = build(args, Accelerator)
             accelerator.load_state(out / "state")
     inner = optimizer.optimizer
+    if args.wire_out:
+        wire.save(f"{args.wire_out}.rank{accelerator.process_index}.json")
     val_loss = evaluate(accelerator.unwrap_model(model), val.to(accelerator.device), args.context)
     params = [p.detach().cpu() for p in accelerator.unwrap_model(model).parameters()]
     torch.save({"params": params, "optimizer": type(inner).__name__,

@@ -40,6 +40,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from onebit_plugin.ddp_hook import OneBitHookState, register_onebit_hook
+from onebit_plugin.integrations.rank_states import load_rank_states, save_rank_states
 from onebit_plugin.optimizer import OneBitAdam
 
 __all__ = ["Accelerator", "OneBitSettings", "to_onebit_adam"]
@@ -106,8 +107,9 @@ def to_onebit_adam(optimizer: torch.optim.Optimizer, settings: OneBitSettings) -
             "ONEBIT_ADAM=1 replaces torch.optim.Adam or AdamW by OneBitAdam; this script passes "
             f"{type(optimizer).__name__} to prepare()"
         )
+    # fused/foreach/capturable choose torch's implementation, not the update: dropped.
     for group in optimizer.param_groups:
-        for option in ("amsgrad", "maximize"):
+        for option in ("amsgrad", "maximize", "differentiable"):
             if group.get(option):
                 raise ValueError(f"ONEBIT_ADAM=1 does not support Adam's {option}=True")
     decoupled = isinstance(optimizer, torch.optim.AdamW) or any(
@@ -148,6 +150,9 @@ class Accelerator(accelerate.Accelerator):
         super().__init__(*args, **kwargs)
         self.onebit = OneBitSettings.from_env()
         self.onebit_hook_state: OneBitHookState | None = None
+        self._onebit_models: list[DistributedDataParallel] = []
+        self._onebit_pending: list[OneBitAdam] = []
+        self._said_idle = False
         if self.onebit is not None and self.mixed_precision == "fp16":
             raise ValueError(
                 "ONEBIT_ADAM=1 supports mixed_precision 'no' and 'bf16'; 'fp16' scales the loss "
@@ -168,8 +173,7 @@ class Accelerator(accelerate.Accelerator):
         optimizers = self._onebit_optimizers()
         if optimizers:
             self.wait_for_everyone()  # the main process made the folder
-            torch.save([o.onebit_state_dict() for o in optimizers],
-                       Path(location) / f"onebit_rank{self.process_index}.pt")
+            save_rank_states(location, self.process_index, optimizers)
             self.wait_for_everyone()
         return location
 
@@ -178,33 +182,9 @@ class Accelerator(accelerate.Accelerator):
         buffers (``save_state`` of this class wrote them)."""
         super().load_state(input_dir, load_kwargs, **kwargs)
         optimizers = self._onebit_optimizers()
-        if not optimizers:
-            return
-        location = Path(input_dir) if input_dir is not None else self._latest_checkpoint()
-        saved = sorted(p.name for p in location.glob("onebit_rank*.pt"))
-        if len(saved) != self.num_processes:
-            raise ValueError(
-                f"{location} holds OneBitAdam error buffers of {len(saved)} ranks ({saved}) and "
-                f"this run has {self.num_processes} processes: they are sharded per rank; "
-                "resume with the same number of processes from a checkpoint written by this "
-                "Accelerator's save_state"
-            )
-        path = location / f"onebit_rank{self.process_index}.pt"
-        try:
-            states = torch.load(path, weights_only=False)
-        except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same answer
-            raise ValueError(f"{path}: cannot read this rank's OneBitAdam error buffers "
-                             f"({type(exc).__name__}: {exc}); the file is missing, truncated "
-                             "or not written by save_state") from exc
-        for optimizer, state in zip(optimizers, states, strict=True):
-            saved_at = (state["global_step"], state["switch_step"])
-            if saved_at != (optimizer.global_step, optimizer.switch_step):
-                raise ValueError(
-                    f"{path} was saved at (step, switch step) {saved_at}, the optimizer state "
-                    f"of this checkpoint at {(optimizer.global_step, optimizer.switch_step)}: "
-                    "it comes from another run or checkpoint"
-                )
-            optimizer.load_onebit_state_dict(state)
+        if optimizers:
+            location = Path(input_dir) if input_dir is not None else self._latest_checkpoint()
+            load_rank_states(location, self.process_index, self.num_processes, optimizers)
 
     def _latest_checkpoint(self) -> Path:
         # Accelerate's automatic naming: <project_dir>/checkpoints/checkpoint_<N>, newest wins.
@@ -223,7 +203,12 @@ class Accelerator(accelerate.Accelerator):
         for obj in args:
             if isinstance(obj, torch.optim.Optimizer):
                 new = to_onebit_adam(obj, self.onebit)
-                replaced[id(obj)] = new
+                if new is not obj:
+                    replaced[id(obj)] = new
+                    # A scheduler built on the original and not passed here (it still drives
+                    # the shared param-group dicts) checks that its optimizer has stepped.
+                    new.register_step_post_hook(
+                        lambda *_, old=obj: setattr(old, "_opt_called", True))
                 obj = new
             converted.append(obj)
         for obj in converted:
@@ -233,18 +218,36 @@ class Accelerator(accelerate.Accelerator):
                 _mark_step_tracked(obj.optimizer)
         result = super().prepare(*converted, device_placement=device_placement)
         outputs = result if isinstance(result, tuple) else (result,)
-        models = [o for o in outputs if isinstance(o, DistributedDataParallel)]
-        optimizers = [getattr(o, "optimizer", o) for o in outputs]
-        onebit = [o for o in optimizers if isinstance(o, OneBitAdam)]
-        if models and onebit:
-            if len(models) != 1 or len(onebit) != 1:
-                raise ValueError(
-                    "ONEBIT_ADAM=1 handles one DDP model with one optimizer per prepare() call; "
-                    f"got {len(models)} models and {len(onebit)} optimizers"
-                )
-            self.onebit_hook_state = register_onebit_hook(
-                models[0], onebit[0], overlap=self.onebit.overlap
-            )
-            log.info("onebit: 1-bit Adam on, freeze_step=%d, overlap=%s",
-                     self.onebit.freeze_step, self.onebit_hook_state.overlap)
+        # prepare(model) and prepare(optimizer) may come in separate calls, in either order
+        # (transformers.Trainer does both): pair them once both have been seen.
+        self._onebit_models += [o for o in outputs if isinstance(o, DistributedDataParallel)]
+        self._onebit_pending += [o for o in (getattr(o, "optimizer", o) for o in outputs)
+                                 if isinstance(o, OneBitAdam)]
+        self._pair_hook()
         return result
+
+    def _pair_hook(self) -> None:
+        if self.onebit_hook_state is not None or not self._onebit_models \
+                or not self._onebit_pending:
+            return
+        if len(self._onebit_models) != 1 or len(self._onebit_pending) != 1:
+            raise ValueError(
+                "ONEBIT_ADAM=1 handles one DDP model with one optimizer; prepare() was given "
+                f"{len(self._onebit_models)} models and {len(self._onebit_pending)} optimizers"
+            )
+        self.onebit_hook_state = register_onebit_hook(
+            self._onebit_models[0], self._onebit_pending[0], overlap=self.onebit.overlap
+        )
+        log.info("onebit: 1-bit Adam on, freeze_step=%d, overlap=%s",
+                 self.onebit.freeze_step, self.onebit_hook_state.overlap)
+
+    def backward(self, loss, **kwargs):
+        if self.onebit is not None and self.onebit_hook_state is None and not self._said_idle \
+                and self._onebit_models:
+            self._said_idle = True
+            log.warning(
+                "onebit: ONEBIT_ADAM=1 but no Adam/AdamW optimizer was passed to prepare() for "
+                "the DDP model: DDP's fp32 allreduce runs unchanged. Pass the optimizer to "
+                "accelerator.prepare()."
+            )
+        return super().backward(loss, **kwargs)

@@ -7,6 +7,7 @@ two gloo processes through torchrun on a machine without GPUs, so the tests use 
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -25,10 +26,18 @@ SCRIPT = ROOT / "examples" / "train_accelerate.py"
 ACCELERATE = Path(sys.executable).with_name("accelerate")
 
 
-def _launch(out: Path, env: dict, *args: str, check: bool = True):
+ONEBIT_RUN = Path(sys.executable).with_name("onebit-run")
+ON = {"ONEBIT_ADAM": "1", "ONEBIT_FREEZE_STEP": "10"}
+
+
+def _launch(out: Path, env: dict, *args: str, check: bool = True, launcher: bool = True):
+    """``accelerate launch`` of the example; with ``ONEBIT_ADAM=1`` in ``env`` under
+    ``onebit-run`` (the unmodified script), unless ``launcher=False`` (the explicit import)."""
     cmd = [str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
            "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT),
            "--steps", "30", "--accumulate", "2", "--clip", "1.0", "--out", str(out), *args]
+    if launcher and env.get("ONEBIT_ADAM") == "1":
+        cmd = [str(ONEBIT_RUN), *cmd]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("ONEBIT_")}
     full_env.update(ACCELERATE_USE_CPU="true", **env)
     with owned_processes() as start:  # accelerate launch -> torchrun -> the workers
@@ -40,27 +49,55 @@ def _launch(out: Path, env: dict, *args: str, check: bool = True):
     return proc
 
 
+def _wire(out: Path, steps: range) -> list[int]:
+    """Bytes each rank wrote in each of ``steps``, counted by the kernel (examples/wire.py)."""
+    per_rank = [json.loads((out / f"wire.rank{r}.json").read_text()) for r in range(2)]
+    return [per_step[str(s)] for per_step in per_rank for s in steps]
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """The unmodified script under plain `accelerate launch`: AdamW and DDP's allreduce."""
+    out = tmp_path_factory.mktemp("plain")
+    _launch(out, {}, "--wire-out", str(out / "wire"))
+    return out
+
+
 def _ranks(out: Path) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
-def test_flag_on_trains_with_onebit_adam_and_resumes(tmp_path):
-    _launch(tmp_path, {"ONEBIT_ADAM": "1", "ONEBIT_FREEZE_STEP": "10"}, "--save-at", "20")
+@pytest.mark.parametrize("prepare", ["joint", "separate"])
+def test_unmodified_script_under_onebit_run(plain_run, tmp_path, prepare):
+    """`onebit-run accelerate launch` of a script that imports nothing of onebit_plugin:
+    AdamW (with a warm-up schedule from lr 0) becomes OneBitAdam and the hook is registered,
+    whether prepare() gets the model and the optimizer together or one at a time; in the
+    compression stage each rank writes at least 25x fewer bytes per step than under plain
+    DDP + AdamW (counted by the kernel, not by the package), the ranks stay identical and the
+    loss is that of the plain run."""
+    args = ["--wire-out", str(tmp_path / "wire")]
+    _launch(tmp_path, ON, *args, *(["--separate-prepare"] if prepare == "separate" else []))
     ranks = _ranks(tmp_path)
     assert_ranks_identical([r["params"] for r in ranks], "parameters")
     assert ranks[0]["optimizer"] == "OneBitAdam" and ranks[0]["stage"] == "compression"
     summary = json.loads((tmp_path / "summary.json").read_text())
+    plain = json.loads((plain_run / "summary.json").read_text())
     assert summary["switch_step"] == 10 and summary["steps"] == 30
-    assert summary["bytes_sent"] < summary["dense_bytes"] / 2
-    assert (tmp_path / "state" / "optimizer.bin").exists()
+    compression = range(12, 31)  # step 11 also builds the units
+    ours, dense = _wire(tmp_path, compression), _wire(plain_run, compression)
+    ratio = statistics.median(dense) / statistics.median(ours)
+    print(f"{prepare} prepare: median bytes written per compression-stage step "
+          f"{statistics.median(ours)} against {statistics.median(dense)} for DDP + AdamW "
+          f"({ratio:.1f}x); val loss {summary['val_loss']:.4f} against {plain['val_loss']:.4f}")
+    assert ratio >= 25, (ours, dense)
+    assert summary["val_loss"] <= plain["val_loss"] * 1.02, (summary, plain)
 
 
 def test_save_load_state_continues_the_uninterrupted_run_bitwise(tmp_path):
     """save_state at step 20 (compression stage), load_state into a fresh model, optimizer and
     Accelerator, continue to 30: the same parameters as 30 uninterrupted steps."""
-    flag = {"ONEBIT_ADAM": "1", "ONEBIT_FREEZE_STEP": "10"}
-    _launch(tmp_path / "straight", flag)
-    _launch(tmp_path / "resumed", flag, "--save-at", "20")
+    _launch(tmp_path / "straight", ON)
+    _launch(tmp_path / "resumed", ON, "--save-at", "20")
     straight, resumed = _ranks(tmp_path / "straight"), _ranks(tmp_path / "resumed")
     assert sorted(p.name for p in (tmp_path / "resumed" / "state").glob("onebit_rank*")) == [
         "onebit_rank0.pt", "onebit_rank1.pt"]
@@ -69,20 +106,32 @@ def test_save_load_state_continues_the_uninterrupted_run_bitwise(tmp_path):
             assert torch.equal(x, y)
 
 
-def test_flag_off_is_plain_accelerate(tmp_path):
-    ours, plain = tmp_path / "ours", tmp_path / "plain"
-    _launch(ours, {"ONEBIT_ADAM": "0"})
-    _launch(plain, {}, "--plain-accelerate")
-    a, b = _ranks(ours), _ranks(plain)
+def test_flag_off_is_plain_accelerate(plain_run, tmp_path):
+    """The explicit import with ONEBIT_ADAM=0 trains exactly as plain Accelerate."""
+    _launch(tmp_path, {"ONEBIT_ADAM": "0"}, "--explicit-import")
+    a, b = _ranks(tmp_path), _ranks(plain_run)
     assert a[0]["optimizer"] == b[0]["optimizer"] == "AdamW"
     for x, y in zip(a[0]["params"], b[0]["params"], strict=True):
         assert torch.equal(x, y)
 
 
+def test_explicit_import_route_trains_with_onebit_adam(tmp_path):
+    """No launcher: the script imports Accelerator from onebit_plugin and ONEBIT_ADAM=1."""
+    _launch(tmp_path, ON, "--explicit-import", launcher=False)
+    ranks = _ranks(tmp_path)
+    assert_ranks_identical([r["params"] for r in ranks], "parameters")
+    assert ranks[0]["optimizer"] == "OneBitAdam" and ranks[0]["stage"] == "compression"
+
+
 def test_flag_without_freeze_step_is_a_clear_error(tmp_path):
-    proc = _launch(tmp_path, {"ONEBIT_ADAM": "1"}, check=False)
+    proc = _launch(tmp_path, {"ONEBIT_ADAM": "1"}, "--explicit-import", check=False,
+                   launcher=False)
     assert proc.returncode != 0
     assert "ONEBIT_ADAM=1 needs ONEBIT_FREEZE_STEP" in proc.stderr
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ONEBIT_")}
+    proc = subprocess.run([str(ONEBIT_RUN), "true"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "ONEBIT_ADAM=1 needs ONEBIT_FREEZE_STEP" in proc.stderr
 
 
 def test_conversion_keeps_hyperparameters_and_scheduler():
@@ -124,15 +173,14 @@ def test_latest_automatic_checkpoint_is_found(tmp_path):
 def test_unreadable_or_foreign_rank_files_are_clear_errors(tmp_path):
     """A truncated per-rank file and one from another checkpoint each name the file; no rank
     goes on with zeroed or foreign error buffers."""
-    flag = {"ONEBIT_ADAM": "1", "ONEBIT_FREEZE_STEP": "10"}
-    _launch(tmp_path / "a", flag, "--steps", "11", "--save-at", "11")
-    _launch(tmp_path / "b", flag, "--steps", "12", "--save-at", "12")
+    _launch(tmp_path / "a", ON, "--steps", "11", "--save-at", "11")
+    _launch(tmp_path / "b", ON, "--steps", "12", "--save-at", "12")
     state = tmp_path / "b" / "state"
     (state / "onebit_rank0.pt").write_bytes((tmp_path / "a" / "state" / "onebit_rank0.pt")
                                             .read_bytes())
     truncated = (state / "onebit_rank1.pt").read_bytes()[:100]
     (state / "onebit_rank1.pt").write_bytes(truncated)
-    proc = _launch(tmp_path / "c", flag, "--load-from", str(state), "--steps", "13", check=False)
+    proc = _launch(tmp_path / "c", ON, "--load-from", str(state), "--steps", "13", check=False)
     assert proc.returncode != 0
     assert (f"{state / 'onebit_rank0.pt'} was saved at (step, switch step) (11, 10), the "
             "optimizer state of this checkpoint at (12, 10)") in proc.stderr
@@ -143,9 +191,9 @@ def test_survivor_exits_when_its_peer_hangs(tmp_path):
     """ONEBIT_TIMEOUT=3: process 1 hangs at step 20; process 0 raises CommunicationError and
     ends, torchrun (under accelerate launch) ends the hung one, the launch fails."""
     log = tmp_path / "log.txt"
-    cmd = [str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
-           "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT),
-           "--steps", "40", "--hang-at", "20", "--out", str(tmp_path)]
+    cmd = [str(ONEBIT_RUN), str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           str(SCRIPT), "--steps", "40", "--hang-at", "20", "--out", str(tmp_path)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("ONEBIT_")}
     env.update(ACCELERATE_USE_CPU="true", ONEBIT_ADAM="1", ONEBIT_FREEZE_STEP="10",
                ONEBIT_TIMEOUT="3")

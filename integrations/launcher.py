@@ -1,0 +1,54 @@
+"""``onebit-run``: 1-bit Adam for an unmodified Accelerate or ``transformers.Trainer`` script,
+turned on at launch::
+
+    ONEBIT_FREEZE_STEP=100 onebit-run accelerate launch train.py ...
+    onebit-run --freeze-step 100 torchrun --nproc_per_node 8 train.py ...
+
+It sets ``ONEBIT_ADAM=1`` (and ``ONEBIT_FREEZE_STEP`` from ``--freeze-step``), checks the
+settings, puts ``bootstrap/`` first on ``PYTHONPATH`` and runs the command; every Python process
+the command starts inherits both and patches ``accelerate`` and ``transformers`` as they load
+(``autoload``). The other settings are the ``ONEBIT_*`` variables of ``accelerate_flag``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="onebit-run", description=__doc__.split("\n\n")[0],
+        usage="onebit-run [--freeze-step N] COMMAND [ARGS ...]")
+    parser.add_argument("--freeze-step", type=int,
+                        help="uncompressed Adam warm-up steps (else ONEBIT_FREEZE_STEP)")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.error("give the command to run, e.g. onebit-run accelerate launch train.py")
+    env = os.environ
+    env.setdefault("ONEBIT_ADAM", "1")
+    if args.freeze_step is not None:
+        env["ONEBIT_FREEZE_STEP"] = str(args.freeze_step)
+    from onebit_plugin.integrations.accelerate_flag import OneBitSettings
+
+    try:
+        if OneBitSettings.from_env() is None:
+            print(f"onebit-run: ONEBIT_ADAM={env['ONEBIT_ADAM']!r} turns 1-bit Adam off; "
+                  "running the command unchanged", file=sys.stderr)
+    except ValueError as exc:
+        parser.error(str(exc))
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(BOOTSTRAP), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
+    try:
+        os.execvp(args.command[0], args.command)
+    except FileNotFoundError:
+        parser.error(f"command not found: {args.command[0]}")
+
+
+if __name__ == "__main__":
+    main()

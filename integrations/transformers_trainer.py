@@ -1,0 +1,56 @@
+"""``transformers.Trainer`` checkpoints with each rank's OneBitAdam error buffers.
+
+The Trainer saves ``optimizer.pt`` from the main process only and loads that one file on every
+rank, which would give every rank rank 0's error buffers. Under ``onebit-run`` its optimizer
+save and load also write and read ``onebit_rank<R>.pt`` in the checkpoint folder
+(``rank_states``): the resumed run continues the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from onebit_plugin.integrations.rank_states import load_rank_states, save_rank_states
+from onebit_plugin.optimizer import OneBitAdam
+
+log = logging.getLogger("onebit_plugin")
+
+# Trainer methods that save and load the optimizer state (transformers 4.x and 5.x).
+SAVE, LOAD = "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler"
+
+
+def _onebit(trainer) -> list[OneBitAdam]:
+    optimizer = getattr(trainer, "optimizer", None)
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper
+    return [optimizer] if isinstance(optimizer, OneBitAdam) else []
+
+
+def patch_trainer(trainer_cls) -> None:
+    if getattr(trainer_cls, "_onebit_patched", False):
+        return
+    save, load = getattr(trainer_cls, SAVE, None), getattr(trainer_cls, LOAD, None)
+    if save is None or load is None:
+        log.warning(
+            "onebit: this transformers.Trainer has no %s/%s: its checkpoints will hold rank "
+            "0's OneBitAdam error buffers only, and a resumed run gives them to every rank. "
+            "Resume from a checkpoint saved in warm-up, or pin transformers 4.x/5.x.",
+            SAVE, LOAD)
+        return
+
+    @functools.wraps(save)
+    def save_with_ranks(self, output_dir, *args, **kwargs):
+        save(self, output_dir, *args, **kwargs)
+        if optimizers := _onebit(self):
+            save_rank_states(output_dir, self.args.process_index, optimizers)
+
+    @functools.wraps(load)
+    def load_with_ranks(self, checkpoint, *args, **kwargs):
+        load(self, checkpoint, *args, **kwargs)
+        if checkpoint is not None and (optimizers := _onebit(self)):
+            load_rank_states(checkpoint, self.args.process_index, self.args.world_size,
+                             optimizers)
+
+    setattr(trainer_cls, SAVE, save_with_ranks)
+    setattr(trainer_cls, LOAD, load_with_ranks)
+    trainer_cls._onebit_patched = True
