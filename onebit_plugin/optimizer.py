@@ -42,6 +42,13 @@ log = logging.getLogger("onebit_plugin")
 WARMUP = "warmup"
 COMPRESSION = "compression"
 DEFAULT_UNIT_MB = 25.0  # DDP's default bucket size
+# A frozen sqrt(v) below this fraction of the rms sqrt(v) over all trainable coordinates is a
+# gradient that is zero up to rounding: fp32 rounding leaves about 1e-7 of the terms' size, and
+# the key bias of attention (softmax is shift-invariant, so its gradient is mathematically 0)
+# measured 3e-10..4e-9 of its tensor's rms in a GPT-2 and an nn.MultiheadAttention model, while
+# every real gradient seen was above 1e-5 (a rare byte's embedding row; docs/design.md). Sent
+# as +-scale, such a coordinate moves by lr * scale / eps per step: 480 in 20 steps for GPT-2.
+NEGLIGIBLE_VARIANCE = 1e-6
 
 
 class OneBitAdam(Optimizer):
@@ -64,7 +71,10 @@ class OneBitAdam(Optimizer):
         decoupled_weight_decay: AdamW semantics for ``weight_decay``.
         max_block: values that share one fp32 scale in the compressed allreduce (multiple of 8).
         scale: block scale rule of the compressor, ``"rms"`` (default) or ``"mean"``.
-        mask_zero_variance: keep coordinates whose frozen variance is exactly 0 at zero momentum.
+        mask_zero_variance: keep coordinates whose frozen variance is 0, or zero up to rounding
+            (sqrt below ``NEGLIGIBLE_VARIANCE`` = 1e-6 of the rms over all trainable
+            coordinates: attention's key bias), at zero momentum: sent as +-scale, the
+            1-bit momentum would move them by ``lr * scale / eps`` per step.
         masks: optional ``{param: bool tensor of param's shape}``; False freezes that coordinate's
             momentum at zero in the compression stage. Must be the same on every rank.
         process_group: group to average over (default: the world, when initialised).
@@ -468,11 +478,26 @@ class OneBitAdam(Optimizer):
             state["frozen_step"] = state["step"].clamp(min=1.0)
         self.switch_step = self.global_step
 
-    def _keep(self, p: torch.Tensor) -> torch.Tensor:
+    def _corrected_root_variance(self, p: torch.Tensor, beta2: float) -> torch.Tensor:
+        state = self.state[p]
+        correction = 1 - beta2 ** float(state["frozen_step"])
+        return (state["exp_avg_sq"].reshape(-1) / correction).sqrt()
+
+    def _negligible_below(self, beta2: dict) -> float:
+        """NEGLIGIBLE_VARIANCE of the rms of the bias-corrected sqrt(v) over all trainable
+        coordinates: the same number on every rank (v comes from averaged gradients)."""
+        params = self._trainable()
+        total = sum(self._corrected_root_variance(p, beta2[p]).square().sum().double()
+                    for p in params)
+        count = sum(p.numel() for p in params)
+        return NEGLIGIBLE_VARIANCE * math.sqrt(float(total) / max(count, 1))
+
+    def _keep(self, p: torch.Tensor, beta2: float, negligible: float) -> torch.Tensor:
         """Flat bool mask of ``p``'s coordinates that take part in the compression stage."""
         keep = torch.ones(p.numel(), dtype=torch.bool, device=p.device)
         if self.mask_zero_variance:
-            keep &= self.state[p]["exp_avg_sq"].reshape(-1) != 0
+            root = self._corrected_root_variance(p, beta2)
+            keep &= (root != 0) & (root >= negligible)
         if p in self._masks:
             keep &= self._masks[p].reshape(-1)
         return keep
@@ -485,9 +510,12 @@ class OneBitAdam(Optimizer):
         if saved is not None:
             self._unit_cap_bytes = self._saved.pop("unit_cap_bytes")
         self._units = []
+        beta2 = {p: g["betas"][1] for p, g in hyper.items()}
+        negligible = self._negligible_below(beta2) if self.mask_zero_variance else 0.0
         for params in partition(self._trainable(), self._unit_cap_bytes):
             unit = MomentumUnit(params, [self.state[p]["exp_avg"] for p in params],
-                                [self._keep(p) for p in params], [hyper[p] for p in params],
+                                [self._keep(p, beta2[p], negligible) for p in params],
+                                [hyper[p] for p in params],
                                 self.communicator)
             for p in params:
                 self.state[p]["exp_avg"] = unit.view(p)

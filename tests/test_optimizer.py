@@ -355,3 +355,49 @@ def test_resuming_with_another_world_size_is_a_clear_error():
     with pytest.raises(ValueError, match="saved in the compression stage by 2 ranks and is "
                                          "loaded by 1"):
         opt.load_state_dict(saved)
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
+
+
+def _key_bias_worker(rank, world, optimizer, mask):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _Attention()
+    start = model.attn.in_proj_bias.detach().clone()
+    if optimizer == "adam":
+        model = DDP(model)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    else:
+        opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=5, mask_zero_variance=mask)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(35):
+        x, y = torch.randn(8, 6, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    bias = getattr(model, "module", model).attn.in_proj_bias.detach()
+    moved = (bias - start).abs()
+    return moved[16:32].max().item(), moved[:16].max().item()  # key bias, query bias
+
+
+def test_attention_key_bias_moves_no_more_than_under_adam():
+    """nn.MultiheadAttention's key bias has a gradient that is zero up to rounding (softmax is
+    shift-invariant): its frozen variance is about 1e-9 of the rest, so it is masked instead of
+    being moved by lr * scale / eps; the query bias still trains."""
+    adam_key, adam_query = run_ranks(_key_bias_worker, 2, "adam", True)[0]
+    key, query = run_ranks(_key_bias_worker, 2, "onebit", True)[0]
+    unmasked_key, _ = run_ranks(_key_bias_worker, 2, "onebit", False)[0]
+    print(f"key bias moved {key:.2e} (Adam {adam_key:.2e}, without the mask {unmasked_key:.2e});"
+          f" query bias {query:.2e} (Adam {adam_query:.2e})")
+    assert key <= adam_key
+    assert unmasked_key > 100 * adam_key  # what the mask prevents
+    assert query > 0.1 * adam_query
