@@ -2,7 +2,8 @@
 
 ``import onebit_plugin`` registers the strategy names ``"onebit_adam"``, ``"onebit_adam_spawn"``
 and ``"onebit_adam_fork"`` in ``pytorch_lightning`` and, when it is installed, in
-``lightning.pytorch``. Each namespace has its own classes, at the top level of
+``lightning.pytorch``, and the same names for ``Fabric`` in ``lightning_fabric`` and
+``lightning.fabric``. Each namespace has its own classes, at the top level of
 ``onebit_plugin.integrations.for_pytorch_lightning`` and ``...for_lightning_pytorch``;
 :func:`classes_for` returns them. ``OneBitAdamStrategy`` and ``OneBitAdamCallback`` here are the
 ``pytorch_lightning`` ones.
@@ -34,12 +35,30 @@ def _installed(namespace: str) -> bool:
         return False
 
 
+# Fabric's registries: lightning.fabric, and the standalone package pytorch_lightning uses.
+FABRIC_MODULES = {"lightning.fabric": "for_lightning_fabric",
+                  "lightning_fabric": "for_lightning_fabric_package"}
+
+
+def fabric_strategy_for(namespace: str = "lightning.fabric") -> type:
+    """``OneBitAdamFabricStrategy`` of ``lightning.fabric`` or ``lightning_fabric`` (importing
+    it registers ``Fabric(strategy="onebit_adam")`` there)."""
+    if namespace not in FABRIC_MODULES:
+        raise ValueError(f"namespace must be one of {tuple(FABRIC_MODULES)}, got {namespace!r}")
+    module = importlib.import_module(f"onebit_plugin.integrations.{FABRIC_MODULES[namespace]}")
+    return module.OneBitAdamFabricStrategy
+
+
 def register_all() -> list[str]:
-    """Register the strategies in every installed Lightning namespace; returns their names."""
+    """Register the Trainer and Fabric strategies in every installed Lightning namespace;
+    returns the namespaces."""
     done = [ns for ns in NAMESPACES if _installed(ns)]
     for namespace in done:
         classes_for(namespace)
-    return done
+    fabric = [ns for ns in FABRIC_MODULES if _installed(ns)]
+    for namespace in fabric:
+        fabric_strategy_for(namespace)
+    return done + fabric
 
 
 def __getattr__(name: str):
@@ -51,4 +70,4 @@ def __getattr__(name: str):
 
 
 # OneBitAdamStrategy and OneBitAdamCallback come from __getattr__ above.
-__all__ = ["classes_for", "register_all"]
+__all__ = ["classes_for", "fabric_strategy_for", "register_all"]

@@ -8,6 +8,7 @@ from datetime import timedelta
 import torch
 
 from onebit_plugin.ddp_hook import register_onebit_hook
+from onebit_plugin.integrations.rank_states import own_rank_state, with_rank_states
 from onebit_plugin.optimizer import OneBitAdam
 
 log = logging.getLogger("onebit_plugin")
@@ -16,12 +17,6 @@ log = logging.getLogger("onebit_plugin")
 # "16-mixed" scales the loss with a GradScaler: the scaled local gradients would enter the
 # compressed momentum before the scaler could unscale them or skip an overflowed step.
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
-
-
-def _to_cpu(obj):
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    return obj.cpu() if hasattr(obj, "cpu") else obj
 
 
 def make_strategy_class(pl, callback_cls, module: str):
@@ -159,41 +154,14 @@ def make_strategy_class(pl, callback_cls, module: str):
             ``onebit_ranks``: the errors differ per rank and a checkpoint is written by rank 0
             only. Collective: every rank calls it while the checkpoint is dumped."""
             state = super().optimizer_state(optimizer)
-            inner = getattr(optimizer, "_optimizer", optimizer)
-            if not isinstance(inner, OneBitAdam) or self.world_size == 1:
+            if not isinstance(getattr(optimizer, "_optimizer", optimizer), OneBitAdam):
                 return state
-            import torch.distributed as dist
-
-            own = _to_cpu(state["onebit"])
-            gathered = [None] * self.world_size if self.global_rank == 0 else None
-            dist.gather_object(own, gathered, dst=0)
-            if self.global_rank == 0:
-                state = dict(state, onebit_ranks=gathered)
-            return state
+            return with_rank_states(state, self.global_rank, self.world_size)
 
         @override
         def load_optimizer_state_dict(self, checkpoint) -> None:
-            states = []
-            for state in checkpoint["optimizer_states"]:
-                ranks = state.get("onebit_ranks")
-                onebit = state.get("onebit") or {}
-                if ranks is None and self.world_size > 1 and onebit.get("switch_step") is not None:
-                    raise ValueError(
-                        "this checkpoint holds rank 0's OneBitAdam error buffers only (no "
-                        "'onebit_ranks'): it was not written by strategy='onebit_adam' on "
-                        f"{self.world_size} processes; every rank needs its own to resume the "
-                        "compression stage"
-                    )
-                if ranks is not None:
-                    if len(ranks) != self.world_size:
-                        raise ValueError(
-                            f"this checkpoint was written by {len(ranks)} ranks and is loaded "
-                            f"by {self.world_size}: OneBitAdam's error buffers are sharded per "
-                            "rank; resume with the same number of processes"
-                        )
-                    state = {k: v for k, v in state.items() if k != "onebit_ranks"}
-                    state["onebit"] = ranks[self.global_rank]
-                states.append(state)
+            states = [own_rank_state(state, self.global_rank, self.world_size)
+                      for state in checkpoint["optimizer_states"]]
             super().load_optimizer_state_dict({**checkpoint, "optimizer_states": states})
 
         @classmethod

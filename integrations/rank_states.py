@@ -54,3 +54,49 @@ def load_rank_states(folder, rank: int, world: int, optimizers: list[OneBitAdam]
                 "from another run or checkpoint"
             )
         optimizer.load_onebit_state_dict(state)
+
+
+# ------------------------------------------------- all ranks' states inside one checkpoint
+# Lightning and Fabric write a checkpoint from rank 0 only: every rank's own "onebit" entry
+# travels to rank 0 and is stored beside rank 0's optimizer state as "onebit_ranks".
+
+def to_cpu(obj):
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj.cpu() if isinstance(obj, torch.Tensor) else obj
+
+
+def with_rank_states(state: dict, rank: int, world: int) -> dict:
+    """``state`` (a OneBitAdam ``state_dict()``), on rank 0 with every rank's ``onebit`` entry
+    under ``onebit_ranks``. Collective: every rank calls it."""
+    import torch.distributed as dist
+
+    if world == 1:
+        return state
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(to_cpu(state["onebit"]), gathered, dst=0)
+    return dict(state, onebit_ranks=gathered) if rank == 0 else state
+
+
+def own_rank_state(state: dict, rank: int, world: int) -> dict:
+    """``state`` as written by :func:`with_rank_states`, with this rank's own ``onebit``."""
+    ranks = state.get("onebit_ranks")
+    onebit = state.get("onebit") or {}
+    if ranks is None:
+        if world > 1 and onebit.get("switch_step") is not None:
+            raise ValueError(
+                "this checkpoint holds rank 0's OneBitAdam error buffers only (no "
+                "'onebit_ranks'): it was not written with the onebit_adam strategy on "
+                f"{world} processes; every rank needs its own to resume the compression stage"
+            )
+        return state
+    if len(ranks) != world:
+        raise ValueError(
+            f"this checkpoint was written by {len(ranks)} ranks and is loaded by {world}: "
+            "OneBitAdam's error buffers are sharded per rank; resume with the same number of "
+            "processes"
+        )
+    state = {k: v for k, v in state.items() if k != "onebit_ranks"}
+    return dict(state, onebit=ranks[rank])

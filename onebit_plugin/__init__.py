@@ -41,11 +41,12 @@ __version__ = "0.1.0"
 
 
 def _register_lightning_strategies() -> None:
-    """``Trainer(strategy="onebit_adam")`` works after ``import onebit_plugin`` wherever
-    pytorch_lightning or lightning.pytorch is installed."""
+    """``Trainer(strategy="onebit_adam")`` and ``Fabric(strategy="onebit_adam")`` work after
+    ``import onebit_plugin`` wherever a Lightning package is installed."""
     from onebit_plugin.integrations.lightning import _installed, register_all
 
-    if _installed("pytorch_lightning") or _installed("lightning.pytorch"):
+    if any(map(_installed, ("pytorch_lightning", "lightning.pytorch", "lightning_fabric",
+                            "lightning.fabric"))):
         register_all()
 
 
