@@ -35,7 +35,10 @@ def main(path: str, fault: str, timeout: float, fault_step: int) -> None:
         start = time.monotonic()
         try:
             opt.zero_grad()
-            model(torch.randn(4, 8)).sum().backward()
+            # Each rank its own data: identical gradients on every rank would be reported
+            # as averaged elsewhere.
+            gen = torch.Generator().manual_seed(10 * step + rank)
+            model(torch.randn(4, 8, generator=gen)).sum().backward()
             opt.step()
         except RuntimeError as exc:  # DDP re-raises a hook's CommunicationError as RuntimeError
             print(f"RAISED step={step} after={time.monotonic() - start:.2f}", flush=True)
