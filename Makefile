@@ -30,7 +30,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=10
 
 # Benchmarks (about 20 minutes on 2 cores): kernel throughput, the emulated 4-host 1 Gbit/s
 # cluster (network namespaces: run as root; otherwise loopback, and it says so) for a

@@ -42,12 +42,23 @@ __version__ = "0.1.0"
 
 def _register_lightning_strategies() -> None:
     """``Trainer(strategy="onebit_adam")`` and ``Fabric(strategy="onebit_adam")`` work after
-    ``import onebit_plugin`` wherever a Lightning package is installed."""
-    from onebit_plugin.integrations.lightning import _installed, register_all
+    ``import onebit_plugin`` wherever a Lightning package is installed: the names are registered
+    when (if ever) that package loads, so that this import does not load Lightning itself."""
+    from onebit_plugin.integrations.bootstrap.onebit_post_import import when_imported
+    from onebit_plugin.integrations.lightning import FABRIC_MODULES, NAMESPACES
 
-    if any(map(_installed, ("pytorch_lightning", "lightning.pytorch", "lightning_fabric",
-                            "lightning.fabric"))):
-        register_all()
+    def register(namespace: str):
+        def now(_module) -> None:
+            from onebit_plugin.integrations import lightning
+
+            if namespace in FABRIC_MODULES:
+                lightning.fabric_strategy_for(namespace)
+            else:
+                lightning.classes_for(namespace)
+        return now
+
+    for namespace in (*NAMESPACES, *FABRIC_MODULES):
+        when_imported(namespace, register(namespace))
 
 
 _register_lightning_strategies()

@@ -3,19 +3,16 @@ first on ``PYTHONPATH``, as ``ddtrace-run`` and ``opentelemetry-instrument`` do)
 that ``accelerate launch`` or ``torchrun`` start included.
 
 Standard library only, and nothing is imported until it is needed: with ``ONEBIT_ADAM`` on,
-an import hook waits for ``accelerate`` and ``transformers.trainer`` and patches each right
-after it has loaded (``onebit_plugin.integrations.autoload``). Any other ``sitecustomize`` on
-the path still runs.
+``accelerate`` and ``transformers.trainer`` are patched right after each has loaded
+(``onebit_plugin.integrations.autoload``). Any other ``sitecustomize`` on the path still runs.
 """
 
-import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
 import sys
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_PATCHED = {"accelerate": "patch_accelerate", "transformers.trainer": "patch_trainer"}
 
 
 def _run_next_sitecustomize() -> None:
@@ -25,37 +22,17 @@ def _run_next_sitecustomize() -> None:
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
-class _PatchAfterLoad(importlib.abc.Loader):
-    def __init__(self, loader, name: str):
-        self._loader, self._name = loader, name
-
-    def __getattr__(self, attr):  # everything else is the real loader's
-        return getattr(self._loader, attr)
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self._loader.exec_module(module)
+def _patch(name: str):
+    def patch(module) -> None:
         from onebit_plugin.integrations import autoload
 
-        getattr(autoload, _PATCHED[self._name])(module)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name not in _PATCHED:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _PatchAfterLoad(spec.loader, name)
-                return spec
-        return None
+        getattr(autoload, name)(module)
+    return patch
 
 
 if os.environ.get("ONEBIT_ADAM", "").strip().lower() in {"1", "true", "yes", "on"}:
-    sys.meta_path.insert(0, _Finder())
+    from onebit_post_import import when_imported
+
+    when_imported("accelerate", _patch("patch_accelerate"))
+    when_imported("transformers.trainer", _patch("patch_trainer"))
 _run_next_sitecustomize()

@@ -1,0 +1,62 @@
+"""Per-rank error-buffer files beside a framework's checkpoint (integrations/rank_states.py, used
+by Accelerate's save_state/load_state and by transformers.Trainer checkpoints under onebit-run):
+a missing, truncated, foreign or wrong-world file is a ValueError naming it."""
+
+import pytest
+import torch
+from torch import nn
+
+from onebit_plugin import OneBitAdam
+from onebit_plugin.integrations.rank_states import (
+    load_rank_states,
+    own_rank_state,
+    save_rank_states,
+)
+
+
+def _trained(steps: int) -> OneBitAdam:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(torch.randn(3, 8)).sum().backward()
+        opt.step()
+    return opt
+
+
+def test_round_trip_and_every_bad_file_names_itself(tmp_path):
+    saved = _trained(4)  # compression stage
+    for rank in (0, 1):
+        save_rank_states(tmp_path / "a", rank, [saved])
+    assert not list((tmp_path / "a").glob("*.tmp"))  # written under a temporary name first
+
+    fresh = _trained(4)
+    load_rank_states(tmp_path / "a", 1, 2, [fresh])
+    assert fresh.onebit_state_dict()["global_step"] == 4
+
+    with pytest.raises(ValueError, match=r"holds OneBitAdam error buffers of 2 ranks .* this "
+                                         r"run has 3 processes"):
+        load_rank_states(tmp_path / "a", 0, 3, [fresh])
+
+    (tmp_path / "a" / "onebit_rank1.pt").write_bytes(
+        (tmp_path / "a" / "onebit_rank1.pt").read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"onebit_rank1.pt: cannot read this rank's"):
+        load_rank_states(tmp_path / "a", 1, 2, [fresh])
+
+    later = _trained(5)  # the framework's state of another checkpoint
+    with pytest.raises(ValueError, match=r"onebit_rank0.pt was saved at \(step, switch step\) "
+                                         r"\(4, 2\), the optimizer state of this checkpoint at "
+                                         r"\(5, 2\)"):
+        load_rank_states(tmp_path / "a", 0, 2, [later])
+
+
+def test_a_checkpoint_written_by_rank_zero_alone_is_refused_in_the_compression_stage():
+    state = _trained(4).state_dict()
+    with pytest.raises(ValueError, match="holds rank 0's OneBitAdam error buffers only"):
+        own_rank_state(state, 1, 2)
+    assert own_rank_state(state, 0, 1) is state  # one process: nothing to choose
+    both = dict(state, onebit_ranks=[{"rank": 0}, {"rank": 1}])
+    assert own_rank_state(both, 1, 2)["onebit"] == {"rank": 1}
+    with pytest.raises(ValueError, match="written by 2 ranks and is loaded by 3"):
+        own_rank_state(both, 0, 3)
