@@ -50,7 +50,7 @@ def _wire(out: Path, steps: range) -> list[int]:
 def test_trainer_under_onebit_run_compresses_and_resumes_bitwise(tmp_path):
     plain, onebit, resumed = tmp_path / "plain", tmp_path / "onebit", tmp_path / "resumed"
     _launch(plain, False)
-    _launch(onebit, True, "--save-steps", "40")
+    _launch(onebit, True, "--save-steps", "60")
     summary = json.loads((onebit / "summary.json").read_text())
     reference = json.loads((plain / "summary.json").read_text())
     assert reference["optimizer"] == "AdamW"
@@ -69,7 +69,7 @@ def test_trainer_under_onebit_run_compresses_and_resumes_bitwise(tmp_path):
     # issue's; with this fixed 25% freeze the gap measured +2.7%.
     assert summary["val_loss"] <= 1.05 * reference["val_loss"]
     # Each rank's own error buffers are in the Trainer's checkpoint and come back on resume.
-    checkpoint = onebit / "checkpoints" / "checkpoint-40"
+    checkpoint = onebit / "checkpoints" / "checkpoint-60"
     assert sorted(p.name for p in checkpoint.glob("onebit_rank*.pt")) == [
         "onebit_rank0.pt", "onebit_rank1.pt"]
     _launch(resumed, True, "--resume", str(checkpoint))
