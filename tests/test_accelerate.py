@@ -7,7 +7,6 @@ two gloo processes through torchrun on a machine without GPUs, so the tests use 
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.client_runs import median_bytes_per_step
 from tests.dist_helpers import assert_ranks_identical
 from tests.procs import owned_processes
 
@@ -49,10 +49,6 @@ def _launch(out: Path, env: dict, *args: str, check: bool = True, launcher: bool
     return proc
 
 
-def _wire(out: Path, steps: range) -> list[int]:
-    """Bytes each rank wrote in each of ``steps``, counted by the kernel (examples/wire.py)."""
-    per_rank = [json.loads((out / f"wire.rank{r}.json").read_text()) for r in range(2)]
-    return [per_step[str(s)] for per_step in per_rank for s in steps]
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +80,11 @@ def test_unmodified_script_under_onebit_run(plain_run, tmp_path, prepare):
     plain = json.loads((plain_run / "summary.json").read_text())
     assert summary["switch_step"] == 10 and summary["steps"] == 30
     compression = range(12, 31)  # step 11 also builds the units
-    ours, dense = _wire(tmp_path, compression), _wire(plain_run, compression)
-    ratio = statistics.median(dense) / statistics.median(ours)
+    ours = median_bytes_per_step(tmp_path, compression)
+    dense = median_bytes_per_step(plain_run, compression)
+    ratio = dense / ours
     print(f"{prepare} prepare: median bytes written per compression-stage step "
-          f"{statistics.median(ours)} against {statistics.median(dense)} for DDP + AdamW "
+          f"{ours} against {dense} for DDP + AdamW "
           f"({ratio:.1f}x); val loss {summary['val_loss']:.4f} against {plain['val_loss']:.4f}")
     assert ratio >= 25, (ours, dense)
     assert summary["val_loss"] <= plain["val_loss"] * 1.02, (summary, plain)

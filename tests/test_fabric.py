@@ -5,7 +5,6 @@ must say so instead of reporting a compression that did not happen."""
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.client_runs import median_bytes_per_step, rank_params
 from tests.dist_helpers import assert_ranks_identical
 from tests.procs import owned_processes
 
@@ -33,13 +33,8 @@ def _fit(out: Path, *args: str) -> str:
     return output
 
 
-def _params(out: Path):
-    return [torch.load(out / f"params.rank{r}.pt") for r in range(2)]
 
 
-def _wire(out: Path, steps: range) -> list[int]:
-    per_rank = [json.loads((out / f"wire.rank{r}.json").read_text()) for r in range(2)]
-    return [per_step[str(s)] for per_step in per_rank for s in steps]
 
 
 def test_fabric_strategy_compresses_and_resumes_bitwise(tmp_path):
@@ -50,17 +45,17 @@ def test_fabric_strategy_compresses_and_resumes_bitwise(tmp_path):
     summary = json.loads((onebit / "summary.json").read_text())
     reference = json.loads((plain / "summary.json").read_text())
     assert summary["optimizer"] == "OneBitAdam" and summary["switch_step"] == 10
-    ranks = _params(onebit)
+    ranks = rank_params(onebit)
     assert_ranks_identical(ranks, "parameters")
     steps = range(12, 31)
-    ours, dense = statistics.median(_wire(onebit, steps)), statistics.median(_wire(plain, steps))
+    ours, dense = median_bytes_per_step(onebit, steps), median_bytes_per_step(plain, steps)
     print(f"Fabric: {ours} bytes written per compression-stage step against {dense} under "
           f"DDP + AdamW ({dense / ours:.1f}x); val loss {summary['val_loss']:.4f} against "
           f"{reference['val_loss']:.4f}")
     assert dense / ours >= 25
     assert summary["val_loss"] <= 1.02 * reference["val_loss"]
     # fabric.save carried every rank's own error buffers: the resumed run ends bit for bit.
-    for a, b in zip(ranks, _params(resumed), strict=True):
+    for a, b in zip(ranks, rank_params(resumed), strict=True):
         for x, y in zip(a, b, strict=True):
             assert torch.equal(x, y)
 

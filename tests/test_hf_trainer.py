@@ -3,7 +3,6 @@ turned to 1-bit Adam at launch alone by `onebit-run accelerate launch`, 2 CPU pr
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.client_runs import median_bytes_per_step, rank_params
 from tests.dist_helpers import assert_ranks_identical
 from tests.procs import owned_processes
 
@@ -38,13 +38,8 @@ def _launch(out: Path, onebit: bool, *args: str) -> str:
     return output
 
 
-def _params(out: Path) -> list[list[torch.Tensor]]:
-    return [torch.load(out / f"params.rank{r}.pt") for r in range(2)]
 
 
-def _wire(out: Path, steps: range) -> list[int]:
-    per_rank = [json.loads((out / f"wire.rank{r}.json").read_text()) for r in range(2)]
-    return [per_step[str(s)] for per_step in per_rank for s in steps]
 
 
 def test_trainer_under_onebit_run_compresses_and_resumes_bitwise(tmp_path):
@@ -55,11 +50,11 @@ def test_trainer_under_onebit_run_compresses_and_resumes_bitwise(tmp_path):
     reference = json.loads((plain / "summary.json").read_text())
     assert reference["optimizer"] == "AdamW"
     assert summary["optimizer"] == "OneBitAdam" and summary["switch_step"] == FREEZE
-    ranks = _params(onebit)
+    ranks = rank_params(onebit)
     assert_ranks_identical(ranks, "parameters")
     # Bytes each rank wrote per compression-stage step, counted by the kernel (wire.py).
     steps = range(FREEZE + 2, STEPS + 1)
-    ours, dense = statistics.median(_wire(onebit, steps)), statistics.median(_wire(plain, steps))
+    ours, dense = median_bytes_per_step(onebit, steps), median_bytes_per_step(plain, steps)
     print(f"Trainer: {ours} bytes written per compression-stage step against {dense} under "
           f"DDP + AdamW ({dense / ours:.1f}x); val loss {summary['val_loss']:.4f} against "
           f"{reference['val_loss']:.4f}; largest |parameter| {summary['largest_abs_param']:.2f}"
@@ -73,6 +68,6 @@ def test_trainer_under_onebit_run_compresses_and_resumes_bitwise(tmp_path):
     assert sorted(p.name for p in checkpoint.glob("onebit_rank*.pt")) == [
         "onebit_rank0.pt", "onebit_rank1.pt"]
     _launch(resumed, True, "--resume", str(checkpoint))
-    for a, b in zip(ranks, _params(resumed), strict=True):
+    for a, b in zip(ranks, rank_params(resumed), strict=True):
         for x, y in zip(a, b, strict=True):
             assert torch.equal(x, y)

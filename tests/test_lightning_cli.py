@@ -3,14 +3,13 @@ against the same config with `--trainer.strategy ddp --model.optimizer adamw`.""
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
+from tests.client_runs import median_bytes_per_step, rank_params
 from tests.dist_helpers import assert_ranks_identical
 from tests.procs import owned_processes
 
@@ -32,9 +31,6 @@ def _fit(out: Path, *args: str) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
-def _wire(out: Path, steps: range) -> list[int]:
-    per_rank = [json.loads((out / f"wire.rank{r}.json").read_text()) for r in range(2)]
-    return [per_step[str(s)] for per_step in per_rank for s in steps]
 
 
 def test_config_file_strategy_onebit_adam(tmp_path):
@@ -42,11 +38,10 @@ def test_config_file_strategy_onebit_adam(tmp_path):
     plain = _fit(tmp_path / "plain", "--trainer.strategy", "ddp", "--model.optimizer", "adamw")
     assert onebit["strategy"] == "OneBitAdamStrategy" and onebit["switch_step"] == 10
     assert plain["strategy"] == "DDPStrategy" and plain["optimizer"] == "AdamW"
-    assert_ranks_identical([torch.load(tmp_path / "onebit" / f"params.rank{r}.pt")
-                            for r in range(2)], "parameters")
+    assert_ranks_identical(rank_params(tmp_path / "onebit"), "parameters")
     steps = range(12, 31)
-    ours = statistics.median(_wire(tmp_path / "onebit", steps))
-    dense = statistics.median(_wire(tmp_path / "plain", steps))
+    ours = median_bytes_per_step(tmp_path / "onebit", steps)
+    dense = median_bytes_per_step(tmp_path / "plain", steps)
     print(f"LightningCLI: {ours} bytes written per compression-stage step against {dense} "
           f"under DDP + AdamW ({dense / ours:.1f}x); val loss {onebit['val_loss']:.4f} against "
           f"{plain['val_loss']:.4f}")
