@@ -1,0 +1,312 @@
+"""What the CPU cannot show, on one GPU (run by benchmarks/gpu_check.sh; docs/benchmarks.md).
+
+1. The compiled Triton kernels against the torch reference on the GPU: packed bits and decoded
+   values exactly equal, scales and errors within the reduction-order tolerance, for ragged sizes
+   up to 1M values and one over 2**31, world sizes 1-8, fp32/bf16/fp16 inputs, with masks.
+2. Each kernel's throughput against the device's copy bandwidth.
+3. OneBitAdam end to end on the GPU: warm-up and compression stage on one process, the step
+   counters on the CPU after a save/load, and the host syncs of one step counted with
+   ``torch.cuda.set_sync_debug_mode``.
+4. ``CompressedAllreduce(n, device="cuda")`` with a tensor on ``cuda:0``.
+5. Two gloo ranks sharing the GPU: OneBitAdam through the compression stage, ranks identical.
+
+Each part reports what it saw and goes on if it fails; the JSON holds every figure. Also runs on
+the CPU under ``TRITON_INTERPRET=1`` (``--device cpu --quick``) to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+
+import torch
+
+from onebit_plugin import compression as ref
+from onebit_plugin.compression import ChunkLayout, CoordinateMask
+
+RTOL, ATOL = 1e-5, 1e-6  # as tests/test_kernels.py: the block sum's order differs
+
+
+def _data(numel: int, world: int, block: int, dtype, device, seed: int):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    layout = ChunkLayout.create(numel, world, block, "rms")
+    mask = CoordinateMask.build(layout, torch.rand(numel, generator=gen, device=device) > 0.2,
+                                device=device)
+    x = torch.randn(numel, generator=gen, device=device).to(dtype)
+    error = torch.randn(layout.padded_numel, generator=gen, device=device) * 0.1 * mask.keep
+    return layout, mask, x, error
+
+
+def kernels_against_reference(device, sizes, worlds, dtypes, kernels) -> list[dict]:
+    rows = []
+    for numel in sizes:
+        for world in worlds:
+            for dtype in dtypes:
+                row = {"numel": numel, "world": world, "dtype": str(dtype)}
+                try:
+                    layout, mask, x, error = _data(numel, world, 2048, dtype, device, numel)
+                    outs = []
+                    for fn in (ref.worker_compress, kernels.worker_compress):
+                        err = error.clone()
+                        packed = torch.empty(layout.padded_numel // 8, dtype=torch.uint8,
+                                             device=device)
+                        scales = torch.empty(layout.num_blocks, device=device)
+                        fn(x, err, mask, layout, packed, scales)
+                        outs.append((packed, scales, err))
+                    (p0, s0, e0), (p1, s1, e1) = outs
+                    row["worker_bits_equal"] = bool(torch.equal(p0, p1))
+                    torch.testing.assert_close(s1, s0, rtol=RTOL, atol=ATOL)
+                    torch.testing.assert_close(e1, e0, rtol=RTOL, atol=ATOL)
+                    del e0, e1, x, error
+                    if world > 1:
+                        chunk, blocks = layout.chunk, layout.blocks_per_chunk
+                        gen = torch.Generator(device=device).manual_seed(7)
+                        recv = torch.randint(0, 256, (world, chunk // 8), dtype=torch.uint8,
+                                             generator=gen, device=device)
+                        recv_scales = torch.rand(world, blocks, generator=gen, device=device)
+                        own = mask.chunk(layout, world - 1)
+                        err = torch.randn(chunk, generator=gen, device=device) * own.keep
+                        outs = []
+                        for fn in (ref.server_compress, kernels.server_compress):
+                            e = err.clone()
+                            packed = torch.empty(chunk // 8, dtype=torch.uint8, device=device)
+                            scales = torch.empty(blocks, device=device)
+                            fn(recv, recv_scales, e, own, layout, packed, scales)
+                            outs.append((packed, scales, e))
+                        (p0, s0, e0), (p1, s1, e1) = outs
+                        row["server_bits_equal"] = bool(torch.equal(p0, p1))
+                        torch.testing.assert_close(s1, s0, rtol=RTOL, atol=ATOL)
+                        torch.testing.assert_close(e1, e0, rtol=RTOL, atol=ATOL)
+                    scales = torch.rand(layout.num_blocks, device=device)
+                    packed = torch.randint(0, 256, (layout.padded_numel // 8,), dtype=torch.uint8,
+                                           device=device)
+                    out0 = torch.empty(numel, dtype=dtype, device=device)
+                    out1 = torch.empty_like(out0)
+                    ref.decompress(packed, scales, mask, layout, out0)
+                    kernels.decompress(packed, scales, mask, layout, out1)
+                    # On a GPU both round fp32 to the output dtype to nearest: exactly equal.
+                    row["decoded_equal"] = bool(torch.equal(out0, out1))
+                    row["ok"] = row["worker_bits_equal"] and row["decoded_equal"] and \
+                        row.get("server_bits_equal", True)
+                except Exception as exc:  # noqa: BLE001 - reported, the check goes on
+                    row["ok"], row["error"] = False, f"{type(exc).__name__}: {exc}"[:500]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def _timed(fn, device, repeats: int = 20) -> float:
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / 1e3 / repeats
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - t0) / repeats
+
+
+def throughput(device, numel: int, kernels, world: int = 8) -> dict:
+    """GB/s of each kernel (bytes it must read and write) against a copy of fp32 values."""
+    layout, mask, x, error = _data(numel, world, 2048, torch.bfloat16, device, 1)
+    packed = torch.empty(layout.padded_numel // 8, dtype=torch.uint8, device=device)
+    scales = torch.empty(layout.num_blocks, device=device)
+    a = torch.randn(numel, device=device)
+    b = torch.empty_like(a)
+    copy_s = _timed(lambda: b.copy_(a), device)
+    copy_gbs = 8 * numel / copy_s / 1e9
+    chunk, blocks = layout.chunk, layout.blocks_per_chunk
+    recv = torch.randint(0, 256, (world, chunk // 8), dtype=torch.uint8, device=device)
+    recv_scales = torch.rand(world, blocks, device=device)
+    own = mask.chunk(layout, 0)
+    err = torch.zeros(chunk, device=device)
+    out = torch.empty(numel, dtype=torch.bfloat16, device=device)
+    # Bytes each pass must move: inputs read, error read and written, mask, outputs written.
+    cases = {
+        "worker_compress": (lambda: kernels.worker_compress(x, error, mask, layout, packed,
+                                                            scales),
+                            numel * (2 + 8 + 1) + numel // 8),
+        "server_compress": (lambda: kernels.server_compress(recv, recv_scales, err, own, layout,
+                                                            packed[: chunk // 8],
+                                                            scales[:blocks]),
+                            world * chunk // 8 + chunk * (8 + 1) + chunk // 8),
+        "decompress": (lambda: kernels.decompress(packed, scales, mask, layout, out),
+                       numel // 8 + numel * (1 + 2)),
+    }
+    result = {"numel": numel, "world": world, "copy_GBps": round(copy_gbs, 1)}
+    for name, (fn, nbytes) in cases.items():
+        seconds = _timed(fn, device)
+        result[name] = {"ms": round(seconds * 1e3, 3), "GBps": round(nbytes / seconds / 1e9, 1),
+                        "of_copy": round(nbytes / seconds / 1e9 / copy_gbs, 3)}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def _model(device):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                               torch.nn.Linear(256, 64)).to(device)
+
+
+def end_to_end(device) -> dict:
+    from onebit_plugin import OneBitAdam
+
+    model = _model(device)
+    opt = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=5)
+    gen = torch.Generator(device=device).manual_seed(0)
+    losses = []
+    for _ in range(10):
+        x = torch.randn(32, 64, generator=gen, device=device)
+        opt.zero_grad()
+        loss = (model(x) - x).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    opt.load_state_dict(torch.load(buffer, map_location=device, weights_only=False))
+    counters = sorted({str(s["step"].device) for s in opt.state.values()} |
+                      {str(s["frozen_step"].device) for s in opt.state.values()})
+    x = torch.randn(32, 64, generator=gen, device=device)
+    opt.zero_grad()
+    (model(x) - x).square().mean().backward()
+    syncs = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+            syncs = sum("synchroniz" in str(w.message) for w in caught)
+    result = {"stage": opt.stage, "loss_first": losses[0], "loss_last": losses[-1],
+              "finite": all(map(lambda v: v == v, losses)), "step_counters_on": counters,
+              "host_syncs_in_one_step_after_load": syncs}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def device_cuda_string(device) -> dict:
+    from onebit_plugin import CompressedAllreduce
+
+    if device.type != "cuda":
+        return {"skipped": "needs a GPU"}
+    comm = CompressedAllreduce(1000, device="cuda")
+    t = torch.randn(1000, device="cuda:0")
+    comm(t)
+    result = {"accepted_cuda_0": True}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def _gloo_rank(rank: int, world: int, port: int, device_type: str, queue) -> None:
+    import torch.distributed as dist
+
+    from onebit_plugin import OneBitAdam, check_lockstep
+
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+        model = _model(device)
+        opt = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=3, comm_timeout=60)
+        gen = torch.Generator(device=device).manual_seed(rank)
+        for _ in range(8):
+            x = torch.randn(32, 64, generator=gen, device=device)
+            opt.zero_grad()
+            (model(x) - x).square().mean().backward()
+            opt.step()
+        check_lockstep(model.parameters(), opt)
+        queue.put((rank, {"stage": opt.stage, "bytes_sent": opt.bytes_sent,
+                          "lockstep": "identical"}))
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        queue.put((rank, {"error": f"{type(exc).__name__}: {exc}"[:500]}))
+
+
+def two_gloo_ranks(device) -> dict:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_gloo_rank, args=(r, 2, port, device.type, queue))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+        if p.is_alive():
+            p.kill()
+    results = {}
+    while not queue.empty():
+        rank, value = queue.get()
+        results[f"rank{rank}"] = value
+    print(json.dumps(results), flush=True)
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--quick", action="store_true", help="small sizes (a CPU check of the script)")
+    p.add_argument("--out", default="gpu_check_out")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    from onebit_plugin import kernels
+
+    if args.quick:
+        sizes, worlds, big, tput = [1, 1001, 4099], [1, 3], [], 1 << 14
+    else:
+        sizes, worlds, big, tput = [1, 7, 1001, 4099, 1 << 20], [1, 2, 3, 5, 8], [2**31 + 123], \
+            1 << 26
+    dtypes = [torch.float32, torch.bfloat16, torch.float16]
+    report = {"torch": torch.__version__, "device": str(device),
+              "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
+    steps = [
+        ("kernels", lambda: kernels_against_reference(device, sizes, worlds, dtypes, kernels)),
+        ("kernels_over_2_31", lambda: kernels_against_reference(device, big, [8],
+                                                                [torch.bfloat16], kernels)),
+        ("throughput", lambda: throughput(device, tput, kernels)),
+        ("end_to_end", lambda: end_to_end(device)),
+        ("device_cuda_string", lambda: device_cuda_string(device)),
+        ("two_gloo_ranks", lambda: two_gloo_ranks(device)),
+    ]
+    for name, step in steps:
+        started = time.perf_counter()
+        try:
+            report[name] = step()
+        except Exception:  # noqa: BLE001 - reported, the next part runs
+            report[name] = {"error": traceback.format_exc()[-2000:]}
+            print(f"{name} FAILED:\n{report[name]['error']}", flush=True)
+        report[f"{name}_seconds"] = round(time.perf_counter() - started, 1)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    bad = [r for r in report.get("kernels", []) + report.get("kernels_over_2_31", [])
+           if isinstance(r, dict) and not r.get("ok")]
+    print(f"gpu_check: {len(bad)} kernel case(s) failed; report in {args.out}/gpu_check.json")
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()

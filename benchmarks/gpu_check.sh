@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The GPU check, ready for the day a GPU is lent (docs/benchmarks.md, "GPU check"): on one GPU,
+# in a few minutes, benchmarks/gpu_check.py runs the compiled Triton kernels against the torch
+# reference (the CUDA counterpart of tests/test_kernels.py, which runs them in the interpreter),
+# measures their GB/s against the device's copy bandwidth, runs OneBitAdam end to end with a
+# host-sync count, device="cuda", and two gloo ranks sharing the GPU. No pip: the package is
+# laid out as installed in a temporary folder (kernels/ and integrations/ are subpackages).
+#
+#   benchmarks/gpu_check.sh                       # OUT=gpu_check_out PYTHON=python3
+#   DEVICE=cpu QUICK=1 TRITON_INTERPRET=1 PYTHON=.venv/bin/python benchmarks/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu_check_out}
+PYTHON=${PYTHON:-python3}
+mkdir -p "$OUT"
+SITE=$(mktemp -d)
+trap 'rm -rf "$SITE"' EXIT
+mkdir -p "$SITE/onebit_plugin"
+cp -r onebit_plugin/. "$SITE/onebit_plugin/"
+cp -r kernels "$SITE/onebit_plugin/kernels"
+cp -r integrations "$SITE/onebit_plugin/integrations"
+export PYTHONPATH="$SITE" PYTHONUNBUFFERED=1
+if [ "${DEVICE:-cuda}" = cuda ]; then
+    unset TRITON_INTERPRET
+    nvidia-smi > "$OUT/machine.txt" 2>&1
+fi
+"$PYTHON" -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, \
+triton.__version__)" >> "$OUT/machine.txt" 2>&1
+"$PYTHON" benchmarks/gpu_check.py --device "${DEVICE:-cuda}" ${QUICK:+--quick} --out "$OUT" \
+    2>&1 | tee "$OUT/gpu_check.log"
