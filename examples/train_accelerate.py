@@ -12,8 +12,8 @@ AdamW with a linear warm-up schedule from lr 0, ``accelerator.accumulate``,
 Nothing of onebit_plugin is imported: ``onebit-run`` patches Accelerate as it loads.
 ``--explicit-import`` takes ``Accelerator`` from ``onebit_plugin.integrations.accelerate_flag``
 instead (the route that needs ``ONEBIT_ADAM=1`` but no launcher); ``--separate-prepare`` calls
-``prepare`` once per object. ``--wire-out`` records each step's bytes written by the process
-(``examples/wire.py``).
+``prepare`` for the model and the optimizer separately and leaves the scheduler unprepared.
+``--wire-out`` records each step's bytes written by the process (``examples/wire.py``).
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ def build(args, accelerator_cls):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     # Linear warm-up from lr 0, like transformers' get_linear_schedule_with_warmup.
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, s / 20))
-    if args.separate_prepare:
+    if args.separate_prepare:  # and the scheduler, built on the original, left unprepared
         model = accelerator.prepare(model)
-        optimizer, scheduler = accelerator.prepare(optimizer, scheduler)
+        optimizer = accelerator.prepare(optimizer)
     else:
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     return accelerator, model, optimizer, scheduler
@@ -121,7 +121,9 @@ def main(argv=None) -> None:
         summary = {"optimizer": type(inner).__name__, "val_loss": val_loss, "steps": step,
                    "bytes_sent": getattr(inner, "bytes_sent", None),
                    "dense_bytes": getattr(inner, "dense_bytes", None),
-                   "switch_step": getattr(inner, "switch_step", None)}
+                   "switch_step": getattr(inner, "switch_step", None),
+                   "lr_of_optimizer": inner.param_groups[0]["lr"],
+                   "lr_of_scheduler": scheduler.get_last_lr()[0]}
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         print(json.dumps(summary))
     accelerator.end_training()

@@ -39,6 +39,7 @@ import accelerate
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from onebit_plugin.compression import MAX_BLOCK, SCALE_RULES
 from onebit_plugin.ddp_hook import OneBitHookState, register_onebit_hook
 from onebit_plugin.integrations.rank_states import load_rank_states, save_rank_states
 from onebit_plugin.optimizer import OneBitAdam
@@ -65,14 +66,27 @@ def _int(name: str, default: int | None) -> int:
     if raw is None or raw.strip() == "":
         if default is None:
             raise ValueError(
-                f"ONEBIT_ADAM=1 needs {name}: the number of uncompressed Adam warm-up steps "
-                "(an int >= 1, typically 15-25% of the optimizer steps)"
+                f"ONEBIT_ADAM=1 needs {name} (or onebit-run --freeze-step N): the number of "
+                "uncompressed Adam warm-up steps (an int >= 1, typically 15-25% of the "
+                "optimizer steps)"
             )
         return default
     try:
         return int(raw)
     except ValueError:
         raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def _float(name: str) -> float | None:
+    raw = os.environ.get(name, "").strip()
+    try:
+        return float(raw) if raw else None
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+
+
+VARIABLES = ("ONEBIT_ADAM", "ONEBIT_FREEZE_STEP", "ONEBIT_MAX_BLOCK", "ONEBIT_SCALE",
+             "ONEBIT_OVERLAP", "ONEBIT_TIMEOUT")
 
 
 @dataclass(frozen=True)
@@ -85,17 +99,32 @@ class OneBitSettings:
 
     @classmethod
     def from_env(cls) -> OneBitSettings | None:
-        """The settings when ``ONEBIT_ADAM`` is on, else None."""
+        """The settings when ``ONEBIT_ADAM`` is on, else None; a misspelt ``ONEBIT_*`` name or
+        a bad value is a ``ValueError`` naming the variable."""
         if not _flag("ONEBIT_ADAM", "0"):
             return None
-        return cls(
+        unknown = sorted(k for k in os.environ if k.startswith("ONEBIT_") and k not in VARIABLES)
+        if unknown:
+            raise ValueError(f"unknown setting(s) {', '.join(unknown)}: the ONEBIT_ variables "
+                             f"are {', '.join(VARIABLES)}")
+        settings = cls(
             freeze_step=_int("ONEBIT_FREEZE_STEP", None),
             max_block=_int("ONEBIT_MAX_BLOCK", 2048),
             scale=os.environ.get("ONEBIT_SCALE", "rms"),
             overlap=_flag("ONEBIT_OVERLAP", "1"),
-            timeout=float(os.environ["ONEBIT_TIMEOUT"]) if os.environ.get("ONEBIT_TIMEOUT")
-            else None,
+            timeout=_float("ONEBIT_TIMEOUT"),
         )
+        if settings.freeze_step < 1:
+            raise ValueError(f"ONEBIT_FREEZE_STEP must be >= 1, got {settings.freeze_step}")
+        if not (8 <= settings.max_block <= MAX_BLOCK and settings.max_block % 8 == 0):
+            raise ValueError(f"ONEBIT_MAX_BLOCK must be a multiple of 8 in [8, {MAX_BLOCK}], "
+                             f"got {settings.max_block}")
+        if settings.scale not in SCALE_RULES:
+            raise ValueError(f"ONEBIT_SCALE must be one of {SCALE_RULES}, got "
+                             f"{settings.scale!r}")
+        if settings.timeout is not None and not settings.timeout > 0:
+            raise ValueError(f"ONEBIT_TIMEOUT must be > 0 seconds, got {settings.timeout}")
+        return settings
 
 
 def to_onebit_adam(optimizer: torch.optim.Optimizer, settings: OneBitSettings) -> OneBitAdam:
@@ -199,14 +228,16 @@ class Accelerator(accelerate.Accelerator):
         if self.onebit is None:
             return super().prepare(*args, device_placement=device_placement)
         replaced: dict[int, OneBitAdam] = {}
+        originals: list[tuple[torch.optim.Optimizer, OneBitAdam]] = []
         converted = []
         for obj in args:
             if isinstance(obj, torch.optim.Optimizer):
                 new = to_onebit_adam(obj, self.onebit)
                 if new is not obj:
                     replaced[id(obj)] = new
-                    # A scheduler built on the original and not passed here (it still drives
-                    # the shared param-group dicts) checks that its optimizer has stepped.
+                    originals.append((obj, new))
+                    # A scheduler built on the original and not passed here checks that its
+                    # optimizer has stepped.
                     new.register_step_post_hook(
                         lambda *_, old=obj: setattr(old, "_opt_called", True))
                 obj = new
@@ -217,6 +248,11 @@ class Accelerator(accelerate.Accelerator):
                 obj.optimizer = replaced[id(target)]
                 _mark_step_tracked(obj.optimizer)
         result = super().prepare(*converted, device_placement=device_placement)
+        # Accelerate's optimizer wrapper reloads the state dict, which replaces the param-group
+        # dicts: an LR scheduler built on the original (and not passed to prepare) must still
+        # drive the new optimizer's lr, so the original now holds the new groups.
+        for old, new in originals:
+            old.param_groups = new.param_groups
         outputs = result if isinstance(result, tuple) else (result,)
         # prepare(model) and prepare(optimizer) may come in separate calls, in either order
         # (transformers.Trainer does both): pair them once both have been seen.
@@ -238,8 +274,11 @@ class Accelerator(accelerate.Accelerator):
         self.onebit_hook_state = register_onebit_hook(
             self._onebit_models[0], self._onebit_pending[0], overlap=self.onebit.overlap
         )
-        log.info("onebit: 1-bit Adam on, freeze_step=%d, overlap=%s",
-                 self.onebit.freeze_step, self.onebit_hook_state.overlap)
+        # Said on the main process, whatever the logging level: the run is not what the
+        # script's code alone suggests.
+        self.print(f"onebit: 1-bit Adam on: {type(self._onebit_pending[0]).__name__} averages "
+                   f"with the 1-bit hook (overlap={self.onebit_hook_state.overlap}); the "
+                   f"momentum is exchanged as 1-bit signs after step {self.onebit.freeze_step}")
 
     def backward(self, loss, **kwargs):
         if self.onebit is not None and self.onebit_hook_state is None and not self._said_idle \

@@ -12,7 +12,7 @@ import subprocess
 import time
 import uuid
 
-TAG = "ONEBIT_TEST_OWNER"
+TAG = "ONEBITTEST_OWNER"
 
 
 def tagged(tag: str, extra: str = "") -> list[int]:

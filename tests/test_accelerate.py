@@ -79,6 +79,9 @@ def test_unmodified_script_under_onebit_run(plain_run, tmp_path, prepare):
     summary = json.loads((tmp_path / "summary.json").read_text())
     plain = json.loads((plain_run / "summary.json").read_text())
     assert summary["switch_step"] == 10 and summary["steps"] == 30
+    # The LR schedule (from lr 0) drives OneBitAdam, also when the scheduler was built on the
+    # original AdamW and never passed to prepare().
+    assert summary["lr_of_optimizer"] == summary["lr_of_scheduler"] > 0
     compression = range(12, 31)  # step 11 also builds the units
     ours = median_bytes_per_step(tmp_path, compression)
     dense = median_bytes_per_step(plain_run, compression)

@@ -30,13 +30,13 @@ def _node(start, host, master, rank: int, out: Path, *args: str, port: str = POR
             "--master_addr", master.address, "--master_port", port,
             str(ROOT / "examples" / "train_torchrun.py"), "--json", str(out), *args]
     env_argv = ["env", f"GLOO_SOCKET_IFNAME={host.ifname}", "OMP_NUM_THREADS=1",
-                f"ONEBIT_TEST_HOST={host.netns}", *argv]
+                f"ONEBITTEST_HOST={host.netns}", *argv]
     return start(host.command(env_argv), cwd=ROOT, stdout=subprocess.PIPE,
                  stderr=subprocess.STDOUT, text=True)
 
 
 def _workers(tag: str, host) -> list[int]:
-    return [pid for pid in tagged(tag, f"ONEBIT_TEST_HOST={host.netns}")
+    return [pid for pid in tagged(tag, f"ONEBITTEST_HOST={host.netns}")
             if "train_torchrun.py" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
             and "torchrun\0" not in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
 
