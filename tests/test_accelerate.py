@@ -185,3 +185,24 @@ def test_survivor_exits_when_its_peer_hangs(tmp_path):
         output[-3000:]
     print(f"accelerate launch exited {proc.returncode} {elapsed:.1f} s after the start")
     assert elapsed < 60, elapsed
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"ONEBIT_MAXBLOCK": "1024"}, "unknown setting(s) ONEBIT_MAXBLOCK"),
+    ({"ONEBIT_FREEZE_STEP": "0"}, "ONEBIT_FREEZE_STEP must be >= 1, got 0"),
+    ({"ONEBIT_SCALE": "rsm"}, "ONEBIT_SCALE must be one of ('rms', 'mean'), got 'rsm'"),
+    ({"ONEBIT_MAX_BLOCK": "100"}, "ONEBIT_MAX_BLOCK must be a multiple of 8 in [8, 16384]"),
+    ({"ONEBIT_TIMEOUT": "soon"}, "ONEBIT_TIMEOUT must be a number of seconds, got 'soon'"),
+])
+def test_every_setting_is_checked_naming_the_variable(monkeypatch, env, message):
+    from onebit_plugin.integrations.accelerate_flag import OneBitSettings
+
+    for name in [k for k in os.environ if k.startswith("ONEBIT_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("ONEBIT_ADAM", "1")
+    monkeypatch.setenv("ONEBIT_FREEZE_STEP", "10")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError) as raised:
+        OneBitSettings.from_env()
+    assert message in str(raised.value)
