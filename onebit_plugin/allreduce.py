@@ -141,8 +141,6 @@ class Plan:
         self.mask = CoordinateMask.build(layout, keep, self.device)
         self.chunk_mask = self.mask.chunk(layout, rank)
         self.wire = _WireBuffers(layout, self.device) if wire else None
-        dropped = self.mask.dropped
-        self.dropped = dropped[dropped < layout.numel]  # without the padding tail
 
     def new_errors(self) -> dict[str, torch.Tensor]:
         """Zero error buffers for this plan: ``worker`` (padded numel) and ``server`` (one
@@ -279,8 +277,7 @@ class ExactAllreduce(_Communicator):
             self.bytes_sent += plan.layout.dense_wire_bytes(out.element_size())
         if not all_finite([out]):  # the same on every rank after the allreduce
             return False
-        if plan.dropped.numel():
-            out.view(-1).index_fill_(0, plan.dropped, 0.0)
+        plan.mask.zero_(out.view(-1))
         return True
 
 

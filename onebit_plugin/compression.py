@@ -19,6 +19,7 @@ default); masked coordinates (the padding tail included) decode to exactly 0 and
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -116,19 +117,23 @@ class ChunkLayout:
 class CoordinateMask:
     """Which coordinates of a layout take part; the rest (the padding tail always) stay 0.
 
-    Holds the mask three ways, each built once: ``keep`` (bool, for the kernels), ``dropped``
-    (indices of the False entries: zeroing them costs time in proportion to how few they are,
-    where a masked pass reads and writes every value) and ``counts`` (kept
-    values per block, fp32, clamped to >= 1, the divisor of the block scale).
+    Holds ``keep`` (bool, what the Triton kernels read) and ``counts`` (kept values per block,
+    fp32, clamped to >= 1, the divisor of the block scale). ``dropped``, the int64 indices of
+    the False entries, is what the CPU torch passes zero (in time proportional to how few they
+    are, where a masked pass reads and writes every value); at 8 bytes per masked coordinate it
+    is built on the first CPU pass only, never on the GPU path.
     """
 
     def __init__(self, keep: torch.Tensor, block: int):
         if keep.dtype != torch.bool or keep.dim() != 1 or keep.numel() % block:
             raise ValueError("keep must be a 1-D bool tensor of whole blocks")
         self.keep = keep
-        self.dropped = keep.logical_not().nonzero().view(-1)
         self.counts = keep.view(-1, block).sum(dim=1, dtype=torch.float32).clamp_(min=1.0)
         self.block = block
+
+    @functools.cached_property
+    def dropped(self) -> torch.Tensor:
+        return self.keep.logical_not().nonzero().view(-1)
 
     @classmethod
     def build(
@@ -152,9 +157,16 @@ class CoordinateMask:
         return CoordinateMask(self.keep[rank * chunk : (rank + 1) * chunk], self.block)
 
     def zero_(self, values: torch.Tensor) -> torch.Tensor:
-        """Set the dropped coordinates of ``values`` (this mask's length) to 0."""
-        if self.dropped.numel():
-            values.index_fill_(0, self.dropped, 0.0)
+        """Set the dropped coordinates of the 1-D ``values`` to 0; ``values`` may be shorter
+        than the mask (a tensor without its padding tail)."""
+        n = values.numel()
+        if values.is_cuda:  # the GPU reads ``keep``: one pass, no index list
+            return values.masked_fill_(self.keep[:n].logical_not(), 0.0)
+        dropped = self.dropped
+        if n < self.keep.numel():  # ascending: the ones below n come first
+            dropped = dropped[: int(torch.searchsorted(dropped, n))]
+        if dropped.numel():
+            values.index_fill_(0, dropped, 0.0)
         return values
 
 

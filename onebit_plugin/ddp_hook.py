@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from onebit_plugin.allreduce import comm_executor
 from onebit_plugin.momentum import MomentumUnit
 from onebit_plugin.optimizer import WARMUP, OneBitAdam
 
@@ -149,6 +150,13 @@ def onebit_hook(
             state.timeline.append((bucket.index(), started, time.perf_counter()))
         return buffer
 
+    if bucket.is_last():
+        # DDP issues its own collectives on its group right after the last bucket's hook
+        # returns (the used-parameter map with find_unused_parameters, then the next forward's
+        # buffer broadcast). Two NCCL communicators driven from two threads on one GPU may hang,
+        # and their order must match on every rank: so every unit's average is finished first.
+        # Backward is over by then and DDP waits on these futures next, so nothing overlaps less.
+        comm_executor(state.comm_group).submit(lambda: None).result()
     return torch.futures.collect_all(waits).then(finish)
 
 

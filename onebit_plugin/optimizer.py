@@ -655,8 +655,18 @@ def _reject_sharded(params: list[torch.Tensor]) -> None:
                              f"parallelism only: {SUPPORTED_SETUPS}")
 
 
+WATCHDOG_MARGIN = timedelta(seconds=30)
+
+
 def _new_group(group: dist.ProcessGroup | None, timeout: timedelta | None) -> dist.ProcessGroup:
     ranks = dist.get_process_group_ranks(group) if group is not None else None
+    if timeout is not None and dist.get_backend(group) == "nccl":
+        # gloo ends a stuck collective at the group's timeout; NCCL's watchdog instead ends the
+        # *process* at it (TORCH_NCCL_ASYNC_ERROR_HANDLING's default). Every wait here passes
+        # comm_timeout itself (an NCCL wait with a timeout blocks and raises), so the watchdog
+        # gets twice that, at least 30 s more: CommunicationError comes first, then the group is
+        # aborted (wait_collectives).
+        timeout = timeout + max(timeout, WATCHDOG_MARGIN)
     return dist.new_group(ranks=ranks, timeout=timeout)
 
 

@@ -161,6 +161,48 @@ def test_compressed_allreduce_runs_inside_backward():
     assert first_done < last_called, last_step
 
 
+def _drain_worker(rank, world):
+    import time
+
+    from onebit_plugin.ddp_hook import OneBitHookState, onebit_hook
+
+    ddp = DDP(_mlp(depth=4), bucket_cap_mb=0.001, find_unused_parameters=True)
+    opt = OneBitAdam(ddp.parameters(), lr=1e-2, freeze_step=1)
+    state = OneBitHookState(opt, ddp.process_group, True, False, ddp.bucket_bytes_cap)
+    last_done = []
+
+    def spy(state, bucket):
+        stage = opt.stage
+        fut = onebit_hook(state, bucket)
+        if bucket.is_last() and stage == "compression":
+            last_done.append(fut.done())
+        return fut
+
+    ddp.register_comm_hook(state, spy)
+    slow_reduce = type(opt.communicator)._reduce
+
+    def slow(self, *args):
+        time.sleep(0.05)  # a slow network: without the drain the last hook returns first
+        return slow_reduce(self, *args)
+
+    type(opt.communicator)._reduce = slow
+    try:
+        for step in range(3):
+            _step(ddp, opt, rank, step)
+    finally:
+        type(opt.communicator)._reduce = slow_reduce
+    return last_done, opt.stage
+
+
+def test_the_last_buckets_hook_returns_after_every_unit_is_averaged():
+    """DDP issues its own collectives (the used-parameter map under find_unused_parameters)
+    right after the last bucket's hook: no compressed collective may still be in flight on
+    the other thread then (two NCCL communicators on one GPU from two threads may hang)."""
+    for last_done, stage in run_ranks(_drain_worker, 2):
+        assert stage == "compression"
+        assert last_done == [True, True], last_done  # the two compression-stage backwards
+
+
 def _pickle_worker(rank, world):
     ddp = DDP(_mlp())
     opt = OneBitAdam(ddp.parameters(), lr=1e-2, freeze_step=1)

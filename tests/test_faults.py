@@ -120,3 +120,25 @@ def test_a_timed_out_group_is_aborted_on_nccl_only(monkeypatch, backend):
     with pytest.raises(allreduce.CommunicationError, match="failed on rank 0 of 2"):
         allreduce.wait_collectives([_TimedOut()], timedelta(seconds=2), "a test", group)
     assert aborted == ([group] if backend == "nccl" else [])
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_nccl_watchdog_waits_longer_than_comm_timeout(monkeypatch, backend):
+    """NCCL's watchdog ends the process at its group's timeout; OneBitAdam's group gives it
+    2 x comm_timeout (at least +30 s) so that CommunicationError, which every wait raises at
+    comm_timeout, comes first. gloo's group keeps comm_timeout: it is what ends a stuck op."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from onebit_plugin import optimizer
+
+    made = []
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(dist, "new_group", lambda ranks=None, timeout=None: made.append(timeout))
+    optimizer._new_group(None, timedelta(seconds=3))
+    optimizer._new_group(None, timedelta(seconds=100))
+    if backend == "nccl":
+        assert made == [timedelta(seconds=33), timedelta(seconds=200)]
+    else:
+        assert made == [timedelta(seconds=3), timedelta(seconds=100)]

@@ -58,6 +58,20 @@ def test_worker_compress(numel, world, max_block, dtype, scale):
     assert torch.all(e_k[~mask.keep] == 0)
 
 
+def test_kernels_never_build_the_cpu_passes_index_list():
+    """The kernels read ``keep``; the int64 list of masked indices (8 bytes per masked value)
+    is built only for the CPU torch passes."""
+    layout, mask, x, error = _inputs(4099, 3, 256, torch.float32, scale="rms")
+    packed = torch.empty(layout.padded_numel // 8, dtype=torch.uint8)
+    scales = torch.empty(layout.num_blocks)
+    kernels.worker_compress(x, error.clone(), mask, layout, packed, scales)
+    out = torch.empty(layout.numel)
+    kernels.decompress(packed, scales, mask, layout, out)
+    assert "dropped" not in vars(mask)
+    ref.worker_compress(x, error.clone(), mask, layout, packed, scales)
+    assert vars(mask)["dropped"].numel() == int((~mask.keep).sum())
+
+
 @pytest.mark.parametrize("numel", SIZES)
 @pytest.mark.parametrize("world,max_block", LAYOUTS)
 @pytest.mark.parametrize("scale", SCALES)
