@@ -7,8 +7,11 @@
 3. OneBitAdam end to end on the GPU: warm-up and compression stage on one process, the step
    counters on the CPU after a save/load, and the host syncs of one step counted with
    ``torch.cuda.set_sync_debug_mode``.
-4. ``CompressedAllreduce(n, device="cuda")`` with a tensor on ``cuda:0``.
-5. Two gloo ranks sharing the GPU: OneBitAdam through the compression stage, ranks identical.
+4. ``CompressedAllreduce(n, device="cuda")`` with a tensor on ``cuda:0``; an asynchronous call
+   whose input is written late on a side stream (it must wait for that stream).
+5. Two gloo ranks sharing the GPU: OneBitAdam through the compression stage, without DDP and
+   under the DDP hook (the background thread, its side stream and the hook's copy-back), ranks
+   identical.
 
 Each part reports what it saw and goes on if it fails; the JSON holds every figure. Also runs on
 the CPU under ``TRITON_INTERPRET=1`` (``--device cpu --quick``) to check the script itself.
@@ -43,6 +46,21 @@ def _data(numel: int, world: int, block: int, dtype, device, seed: int):
     return layout, mask, x, error
 
 
+def _cpu(*args):
+    """CPU copies of tensors and masks: the torch reference would hand CUDA tensors to the very
+    kernels it is compared with (it dispatches on the device)."""
+    return [CoordinateMask(a.keep.cpu(), a.block) if isinstance(a, CoordinateMask)
+            else a.cpu() if torch.is_tensor(a) else a for a in args]
+
+
+def _reference(fn, *args) -> list[torch.Tensor]:
+    """Run the torch reference pass ``fn`` on CPU copies; returns the copies (outputs
+    included), to compare with the kernel's outputs moved to the CPU."""
+    copies = _cpu(*args)
+    fn(*copies)
+    return copies
+
+
 def kernels_against_reference(device, sizes, worlds, dtypes, kernels) -> list[dict]:
     rows = []
     for numel in sizes:
@@ -51,15 +69,14 @@ def kernels_against_reference(device, sizes, worlds, dtypes, kernels) -> list[di
                 row = {"numel": numel, "world": world, "dtype": str(dtype)}
                 try:
                     layout, mask, x, error = _data(numel, world, 2048, dtype, device, numel)
-                    outs = []
-                    for fn in (ref.worker_compress, kernels.worker_compress):
-                        err = error.clone()
-                        packed = torch.empty(layout.padded_numel // 8, dtype=torch.uint8,
-                                             device=device)
-                        scales = torch.empty(layout.num_blocks, device=device)
-                        fn(x, err, mask, layout, packed, scales)
-                        outs.append((packed, scales, err))
-                    (p0, s0, e0), (p1, s1, e1) = outs
+                    err = error.clone()
+                    packed = torch.empty(layout.padded_numel // 8, dtype=torch.uint8,
+                                         device=device)
+                    scales = torch.empty(layout.num_blocks, device=device)
+                    _, e0, _, _, p0, s0 = _reference(ref.worker_compress, x, error, mask,
+                                                     layout, packed, scales)
+                    kernels.worker_compress(x, err, mask, layout, packed, scales)
+                    p1, s1, e1 = packed.cpu(), scales.cpu(), err.cpu()
                     row["worker_bits_equal"] = bool(torch.equal(p0, p1))
                     torch.testing.assert_close(s1, s0, rtol=RTOL, atol=ATOL)
                     torch.testing.assert_close(e1, e0, rtol=RTOL, atol=ATOL)
@@ -72,26 +89,25 @@ def kernels_against_reference(device, sizes, worlds, dtypes, kernels) -> list[di
                         recv_scales = torch.rand(world, blocks, generator=gen, device=device)
                         own = mask.chunk(layout, world - 1)
                         err = torch.randn(chunk, generator=gen, device=device) * own.keep
-                        outs = []
-                        for fn in (ref.server_compress, kernels.server_compress):
-                            e = err.clone()
-                            packed = torch.empty(chunk // 8, dtype=torch.uint8, device=device)
-                            scales = torch.empty(blocks, device=device)
-                            fn(recv, recv_scales, e, own, layout, packed, scales)
-                            outs.append((packed, scales, e))
-                        (p0, s0, e0), (p1, s1, e1) = outs
+                        packed = torch.empty(chunk // 8, dtype=torch.uint8, device=device)
+                        scales = torch.empty(blocks, device=device)
+                        _, _, e0, _, _, p0, s0 = _reference(ref.server_compress, recv,
+                                                            recv_scales, err, own, layout,
+                                                            packed, scales)
+                        kernels.server_compress(recv, recv_scales, err, own, layout, packed,
+                                                scales)
+                        p1, s1, e1 = packed.cpu(), scales.cpu(), err.cpu()
                         row["server_bits_equal"] = bool(torch.equal(p0, p1))
                         torch.testing.assert_close(s1, s0, rtol=RTOL, atol=ATOL)
                         torch.testing.assert_close(e1, e0, rtol=RTOL, atol=ATOL)
                     scales = torch.rand(layout.num_blocks, device=device)
                     packed = torch.randint(0, 256, (layout.padded_numel // 8,), dtype=torch.uint8,
                                            device=device)
-                    out0 = torch.empty(numel, dtype=dtype, device=device)
-                    out1 = torch.empty_like(out0)
-                    ref.decompress(packed, scales, mask, layout, out0)
-                    kernels.decompress(packed, scales, mask, layout, out1)
+                    out = torch.empty(numel, dtype=dtype, device=device)
+                    out0 = _reference(ref.decompress, packed, scales, mask, layout, out)[-1]
+                    kernels.decompress(packed, scales, mask, layout, out)
                     # On a GPU both round fp32 to the output dtype to nearest: exactly equal.
-                    row["decoded_equal"] = bool(torch.equal(out0, out1))
+                    row["decoded_equal"] = bool(torch.equal(out0, out.cpu()))
                     row["ok"] = row["worker_bits_equal"] and row["decoded_equal"] and \
                         row.get("server_bits_equal", True)
                 except Exception as exc:  # noqa: BLE001 - reported, the check goes on
@@ -179,7 +195,7 @@ def end_to_end(device) -> dict:
     buffer.seek(0)
     opt.load_state_dict(torch.load(buffer, map_location=device, weights_only=False))
     counters = sorted({str(s["step"].device) for s in opt.state.values()} |
-                      {str(s["frozen_step"].device) for s in opt.state.values()})
+                      {type(s["frozen_step"]).__name__ for s in opt.state.values()})
     x = torch.randn(32, 64, generator=gen, device=device)
     opt.zero_grad()
     (model(x) - x).square().mean().backward()
@@ -212,6 +228,35 @@ def device_cuda_string(device) -> dict:
     return result
 
 
+def stream_order_probe(device) -> dict:
+    """An asynchronous call must wait for the stream that produced its input: the input is
+    written on a side stream after a ~50 ms GPU sleep, and the call is made under that stream
+    without any host synchronisation. With one rank the average is the input itself (up to
+    compression); a call that ran before the write would see the old values (zeros)."""
+    from onebit_plugin import CompressedAllreduce
+
+    if device.type != "cuda":
+        return {"skipped": "needs a GPU"}
+    n = 1 << 20
+    comm = CompressedAllreduce(n, device=device)
+    x = torch.zeros(n, device=device)
+    target = torch.randn(n, generator=torch.Generator(device=device).manual_seed(3),
+                         device=device)
+    torch.cuda.synchronize(device)
+    producer = torch.cuda.Stream(device=device)
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(100_000_000)  # ~50 ms at 2 GHz: the write comes late
+        x.copy_(target)
+        fut = comm(x, async_op=True)
+    fut.wait()
+    torch.cuda.synchronize(device)
+    # 1-bit with one rank: the decoded values carry the input's signs (error feedback empty).
+    signs_match = float((torch.sign(x) == torch.sign(target)).float().mean())
+    result = {"signs_of_late_input": round(signs_match, 4), "ok": signs_match > 0.99}
+    print(json.dumps(result), flush=True)
+    return result
+
+
 def _gloo_rank(rank: int, world: int, port: int, device_type: str, queue) -> None:
     import torch.distributed as dist
 
@@ -221,17 +266,27 @@ def _gloo_rank(rank: int, world: int, port: int, device_type: str, queue) -> Non
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
         device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
-        model = _model(device)
-        opt = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=3, comm_timeout=60)
-        gen = torch.Generator(device=device).manual_seed(rank)
-        for _ in range(8):
-            x = torch.randn(32, 64, generator=gen, device=device)
-            opt.zero_grad()
-            (model(x) - x).square().mean().backward()
-            opt.step()
-        check_lockstep(model.parameters(), opt)
-        queue.put((rank, {"stage": opt.stage, "bytes_sent": opt.bytes_sent,
-                          "lockstep": "identical"}))
+        result = {}
+        for path in ("optimizer", "ddp_hook"):  # the hook runs the background thread's path
+            model = _model(device)
+            opt = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=3, comm_timeout=60)
+            if path == "ddp_hook":
+                from torch.nn.parallel import DistributedDataParallel
+
+                from onebit_plugin.ddp_hook import register_onebit_hook
+
+                model = DistributedDataParallel(model, bucket_cap_mb=0.01)
+                register_onebit_hook(model, opt)
+            gen = torch.Generator(device=device).manual_seed(rank)
+            for _ in range(8):
+                x = torch.randn(32, 64, generator=gen, device=device)
+                opt.zero_grad()
+                (model(x) - x).square().mean().backward()
+                opt.step()
+            check_lockstep(model.parameters(), opt)
+            result[path] = {"stage": opt.stage, "bytes_sent": opt.bytes_sent,
+                            "lockstep": "identical"}
+        queue.put((rank, result))
         dist.destroy_process_group()
     except Exception as exc:  # noqa: BLE001 - reported to the parent
         queue.put((rank, {"error": f"{type(exc).__name__}: {exc}"[:500]}))
@@ -287,6 +342,7 @@ def main() -> None:
         ("throughput", lambda: throughput(device, tput, kernels)),
         ("end_to_end", lambda: end_to_end(device)),
         ("device_cuda_string", lambda: device_cuda_string(device)),
+        ("stream_order_probe", lambda: stream_order_probe(device)),
         ("two_gloo_ranks", lambda: two_gloo_ranks(device)),
     ]
     for name, step in steps:

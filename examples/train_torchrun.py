@@ -108,6 +108,8 @@ def main(argv=None) -> dict:
                           if backend == "nccl" else "cpu")
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    else:
+        torch.cuda.set_device(device)  # else every rank's NCCL context would open on GPU 0
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = CharGPT(dim=args.dim, layers=args.layers, context=args.context).to(device)
     train, val = load_corpus()

@@ -19,6 +19,7 @@ every step (a parameter unfrozen later is not in DDP's reducer): else a clear er
 """
 
 # No "from __future__ import annotations": DDP checks the hook's annotations as objects.
+import contextlib
 import logging
 import time
 
@@ -140,12 +141,19 @@ def onebit_hook(
         if all(pending is not w for w in waits):
             waits.append(pending)
 
+    # The copy back into the bucket is issued on the stream backward produced the bucket on,
+    # which DDP reads it on next: the callback itself may run on any thread and stream (a
+    # future with devices runs its callbacks on a pool stream). The averaged momentum is
+    # complete by then (its side stream was synchronized before the future was set).
+    stream = torch.cuda.current_stream(buffer.device) if buffer.is_cuda else None
+
     def finish(fut: torch.futures.Future) -> torch.Tensor:
         for each in fut.value():
             each.value()  # re-raises a failed allreduce here, where DDP waits
-        for p, grad in pairs:
-            unit = opt.unit_of(p)
-            grad.copy_(unit.view(p, unit.local))  # DDP hands the bucket's views to step()
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for p, grad in pairs:
+                unit = opt.unit_of(p)
+                grad.copy_(unit.view(p, unit.local))  # DDP hands the bucket's views to step()
         if state.record_timeline:
             state.timeline.append((bucket.index(), started, time.perf_counter()))
         return buffer

@@ -475,7 +475,9 @@ class OneBitAdam(Optimizer):
         for p in self._trainable():
             state = self.state[p] or self._init_state(p)  # no gradient yet: v == 0, all masked
             # v's bias correction 1 - b2**0 would be 0 (0/0 = NaN) where v never moved.
-            state["frozen_step"] = state["step"].clamp(min=1.0)
+            # A Python number, not a tensor: Lightning moves every optimizer state tensor but
+            # "step" to the GPU on resume, and reading it per step would then sync the host.
+            state["frozen_step"] = max(float(state["step"]), 1.0)
         self.switch_step = self.global_step
 
     def _corrected_root_variance(self, p: torch.Tensor, beta2: float) -> torch.Tensor:
@@ -553,7 +555,7 @@ class OneBitAdam(Optimizer):
             state = self.state[p]
             state["step"] += 1
             frozen_update_(p, state["exp_avg"], state["exp_avg_sq"], state["step"].item(),
-                           state["frozen_step"].item(), **hyper)
+                           state["frozen_step"], **hyper)
 
     # ---------------------------------------------------------------------------- state dict
     def state_dict(self) -> dict:
@@ -588,9 +590,10 @@ class OneBitAdam(Optimizer):
         for p, tensors in fp32.items():
             for k, v in tensors.items():
                 # Step counters stay on the CPU (as torch's Adam keeps them), so that reading
-                # them never syncs with a GPU, whatever map_location loaded them to.
-                self.state[p][k] = v.to(device="cpu" if k in ("step", "frozen_step")
-                                        else p.device, copy=True)
+                # them never syncs with a GPU, whatever map_location loaded them to;
+                # frozen_step is a number (a tensor in checkpoints of 0.x).
+                self.state[p][k] = (float(v) if k == "frozen_step" else
+                                    v.to(device="cpu" if k == "step" else p.device, copy=True))
         self._units, self._unit_of, self._averaged = None, {}, {}  # rebuilt from the new state
         self._settings_checked = False
         if onebit is not None:

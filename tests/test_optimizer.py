@@ -235,6 +235,27 @@ def test_state_dict_round_trip_continues_the_same_trajectory(save_at, tmp_path):
     assert opt2.switch_step == opt.switch_step == 4
 
 
+def test_step_counters_are_never_moved_to_a_device_on_resume():
+    """Lightning moves every optimizer state *tensor* except "step" to the GPU on resume
+    (``_optimizer_to_device``); the frozen step is read on every step, so it is a number, also
+    when loaded from a checkpoint that held it as a tensor."""
+    model = _model()
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    for step in range(3):
+        opt.zero_grad()
+        _loss(model, _batch(step)).backward()
+        opt.step()
+    saved = opt.state_dict()
+    assert all(type(s["frozen_step"]) is float for s in saved["state"].values())
+    for s in saved["state"].values():  # the older format
+        s["frozen_step"] = torch.tensor(s["frozen_step"])
+    opt2 = OneBitAdam(_model().parameters(), lr=1e-2, freeze_step=2)
+    opt2.load_state_dict(saved)
+    for state in opt2.state.values():
+        assert type(state["frozen_step"]) is float and state["frozen_step"] == 2.0
+        assert state["step"].device.type == "cpu"
+
+
 # ------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize(
     "kwargs,message",
