@@ -122,3 +122,14 @@ def test_mask_keeps_coordinates_at_exact_zero():
     assert torch.all(state.worker_error[:9][~mask] == 0)
     with pytest.raises(ValueError, match="mask has 3 values, the tensor it masks has 9"):
         CompressedAllreduce(9, mask=torch.ones(3, dtype=torch.bool))
+
+
+def test_cuda_without_an_index_means_the_current_gpu(monkeypatch):
+    """``device="cuda"`` must compare equal to the ``cuda:N`` of the tensors made on it
+    (``torch.device("cuda") != torch.device("cuda:0")``)."""
+    from onebit_plugin.allreduce import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert resolve_device("cuda") == torch.device("cuda", 3)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device(None) == torch.device("cpu")
