@@ -42,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--scale", default="rms", choices=["rms", "mean"])
     p.add_argument("--no-mask", action="store_true", help="disable the zero-variance mask")
     p.add_argument("--baseline", action="store_true", help="uncompressed Adam instead")
+    p.add_argument("--no-bound", action="store_true",
+                   help="ablation: compression-stage steps not bounded by Adam's largest")
     p.add_argument("--exact-momentum", action="store_true",
                    help="ablation: freeze the variance but average the momentum exactly")
     p.add_argument("--eval-every", type=int, default=50)
@@ -118,6 +120,7 @@ def main(argv=None) -> dict:
         freeze_step=10**12 if args.baseline else args.freeze_step,
         max_block=args.max_block, scale=args.scale, mask_zero_variance=not args.no_mask,
         compress_momentum=not args.exact_momentum, comm_timeout=args.comm_timeout,
+        bound_update=not args.no_bound,
     )
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
     name = "Adam" if args.baseline else "OneBitAdam"
@@ -184,6 +187,8 @@ def main(argv=None) -> dict:
         "mean_step_s": {k: sum(v) / len(v) for k, v in step_times.items() if v},
         "history": history,
         "lockstep_checks": checks,
+        # Largest |value| per parameter tensor: a frozen variance shows as runaway rows.
+        "max_abs": {n: float(p.detach().abs().max()) for n, p in model.named_parameters()},
     }
     if comm is not None and comm.bytes_sent:
         say(f"compression stage: {comm.bytes_sent} bytes sent against "

@@ -32,6 +32,7 @@ from onebit_plugin.allreduce import (
     wait_collectives,
 )
 from onebit_plugin.compression import SCALE_RULES, ChunkLayout
+from onebit_plugin.freeze import AutoFreeze
 from onebit_plugin.momentum import MomentumUnit, partition
 from onebit_plugin.update import adam_update_, frozen_update_
 
@@ -68,6 +69,10 @@ class OneBitAdam(Optimizer):
             ``decoupled_weight_decay=True``, decoupled decay (as ``AdamW``); >= 0.
         freeze_step: number of uncompressed warm-up steps (skipped ones do not count); the
             variance is frozen at the end of the last. Required. The paper uses 15-25% of the run.
+            ``"auto"``: frozen once the variance has settled (``onebit_plugin.freeze``), at
+            most at 20% of ``total_steps``; the step chosen is logged once.
+        total_steps: optimizer steps of the whole run, for ``freeze_step="auto"``'s ceiling
+            (the Lightning strategy and the transformers Trainer fill it in).
         decoupled_weight_decay: AdamW semantics for ``weight_decay``.
         max_block: values that share one fp32 scale in the compressed allreduce (multiple of 8).
         scale: block scale rule of the compressor, ``"rms"`` (default) or ``"mean"``.
@@ -82,6 +87,11 @@ class OneBitAdam(Optimizer):
             else already did; the compression stage always averages the momentum itself.
         compress_momentum: False averages the momentum with an exact fp32 allreduce after the
             freeze (the ablation that separates freezing the variance from compressing).
+        bound_update: clamp each coordinate's compression-stage step ``m_hat / (sqrt(v_hat) +
+            eps)`` to the largest Adam can take at that step (``adam_step_bound``: 3.36 at step
+            240, 7.27 in the limit, at the default betas). A variance frozen before a coordinate
+            was seen much (a rare embedding row) would otherwise let it run away (docs/design.md,
+            "Bounded steps"). False is the ablation.
         comm_timeout: seconds any of OneBitAdam's collectives may take before ``step()`` raises
             ``CommunicationError``. Default: the process group's timeout.
         bucket_cap_mb: fp32 megabytes per momentum unit (the parameters are cut into units in
@@ -102,8 +112,9 @@ class OneBitAdam(Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        freeze_step: int | None = None,
+        freeze_step: int | str | None = None,
         *,
+        total_steps: int | None = None,
         decoupled_weight_decay: bool = False,
         max_block: int = 2048,
         scale: str = "rms",
@@ -112,6 +123,7 @@ class OneBitAdam(Optimizer):
         process_group: dist.ProcessGroup | None = None,
         average_grads: bool = True,
         compress_momentum: bool = True,
+        bound_update: bool = True,
         comm_timeout: float | None = None,
         bucket_cap_mb: float | None = None,
         max_skipped_steps: int = 20,
@@ -122,8 +134,12 @@ class OneBitAdam(Optimizer):
                 "freeze_step is required: the number of uncompressed Adam warm-up steps "
                 "(an int >= 1; 15-25% of the run is typical)"
             )
-        if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
-            raise ValueError(f"freeze_step must be an int >= 1, got {freeze_step!r}")
+        if freeze_step != "auto" and (isinstance(freeze_step, bool) or
+                                      not isinstance(freeze_step, int) or freeze_step < 1):
+            raise ValueError(f"freeze_step must be an int >= 1 or 'auto', got {freeze_step!r}")
+        if total_steps is not None and (isinstance(total_steps, bool) or
+                                        not isinstance(total_steps, int) or total_steps < 1):
+            raise ValueError(f"total_steps must be an int >= 1, got {total_steps!r}")
         if isinstance(max_block, bool) or not isinstance(max_block, int):
             raise ValueError(f"max_block must be an int, got {max_block!r}")
         ChunkLayout.create(1, 1, max_block)  # the range check
@@ -142,12 +158,14 @@ class OneBitAdam(Optimizer):
         )
         super().__init__(params, defaults)
         self.freeze_step = freeze_step
+        self.auto_freeze = AutoFreeze(total_steps) if freeze_step == "auto" else None
         self.max_block = max_block
         self.scale = scale
         self.mask_zero_variance = mask_zero_variance
         self.process_group = process_group
         self.average_grads = average_grads
         self.compress_momentum = compress_momentum
+        self.bound_update = bool(bound_update)
         self.comm_timeout = None if comm_timeout is None else timedelta(seconds=comm_timeout)
         self.bucket_cap_mb = bucket_cap_mb
         self._masks = {}
@@ -167,6 +185,7 @@ class OneBitAdam(Optimizer):
         self.switch_step: int | None = None
         self.skipped_steps = 0  # steps skipped on every rank for a non-finite gradient
         self._skip_streak = 0
+        self._said_no_ceiling = False
         self.max_skipped_steps = max_skipped_steps
         self._unit_cap_bytes = int((bucket_cap_mb or DEFAULT_UNIT_MB) * 2**20)
         self._comm_group, self._group_ready = process_group, False
@@ -310,7 +329,7 @@ class OneBitAdam(Optimizer):
             if self.average_grads and self.world_size > 1:
                 self._average_gradients()
             self._warmup_step()
-            if self.global_step - self.skipped_steps >= self.freeze_step:  # applied steps
+            if self._freeze_now(self.global_step - self.skipped_steps):  # applied steps
                 self._freeze()
         else:
             self._compression_step()
@@ -345,10 +364,13 @@ class OneBitAdam(Optimizer):
             return
         params = self._trainable()
         config = {
-            "freeze_step": self.freeze_step, "max_block": self.max_block,
+            "freeze_step (-1: 'auto')": -1 if self.auto_freeze else self.freeze_step,
+            "total_steps": self.auto_freeze.total_steps or 0 if self.auto_freeze else 0,
+            "max_block": self.max_block,
             "scale": SCALE_RULES.index(self.scale), "bucket bytes": self._unit_cap_bytes,
             "mask_zero_variance": int(self.mask_zero_variance),
-            "compress_momentum": int(self.compress_momentum), "global_step": self.global_step,
+            "compress_momentum": int(self.compress_momentum),
+            "bound_update": int(self.bound_update), "global_step": self.global_step,
             "trainable parameters": len(params),
             "trainable values": sum(p.numel() for p in params),
         }
@@ -470,6 +492,38 @@ class OneBitAdam(Optimizer):
                 p.grad = view.view_as(p).to(p.dtype, copy=True)
 
     # --------------------------------------------------------------------------- compression
+    def set_total_steps(self, total_steps: int) -> None:
+        """The run's length, for ``freeze_step="auto"``'s ceiling (integrations call it)."""
+        if self.auto_freeze is not None and self.auto_freeze.total_steps is None:
+            self.auto_freeze.total_steps = int(total_steps)
+
+    def _freeze_now(self, applied: int) -> bool:
+        if self.auto_freeze is None:
+            return applied >= self.freeze_step
+        if self.auto_freeze.total_steps is None and not self._said_no_ceiling:
+            self._said_no_ceiling = True
+            log.warning("onebit: freeze_step='auto' without total_steps: the variance freezes "
+                        "only once it has settled, which on a short run may be never (all of it "
+                        "uncompressed Adam); pass OneBitAdam(total_steps=...) (ONEBIT_TOTAL_STEPS "
+                        "for the Accelerate flag) to freeze at 20%% of the run at the latest")
+        reason = self.auto_freeze.observe(applied, self._roots_now, negligible_root)
+        if reason is not None and group_size_and_rank(self.process_group)[1] == 0:
+            log.warning("onebit: freeze_step='auto' froze the variance after step %d: %s",
+                        applied, reason)
+        return reason is not None
+
+    def _roots_now(self) -> list[torch.Tensor]:
+        """This step's bias-corrected sqrt(v) per trainable parameter, flat (0 without state)."""
+        roots = []
+        for p, hyper in self._hyper():
+            state = self.state[p]
+            if not state:
+                roots.append(torch.zeros(p.numel(), dtype=torch.float32, device=p.device))
+                continue
+            correction = 1 - hyper["beta2"] ** float(state["step"])
+            roots.append((state["exp_avg_sq"].reshape(-1) / correction).sqrt())
+        return roots
+
     def _freeze(self) -> None:
         """End of step ``freeze_step``: fix the variance (the units are built at first use)."""
         for p in self._trainable():
@@ -488,11 +542,8 @@ class OneBitAdam(Optimizer):
     def _negligible_below(self, beta2: dict) -> float:
         """NEGLIGIBLE_VARIANCE of the rms of the bias-corrected sqrt(v) over all trainable
         coordinates: the same number on every rank (v comes from averaged gradients)."""
-        params = self._trainable()
-        total = sum(self._corrected_root_variance(p, beta2[p]).square().sum().double()
-                    for p in params)
-        count = sum(p.numel() for p in params)
-        return NEGLIGIBLE_VARIANCE * math.sqrt(float(total) / max(count, 1))
+        return negligible_root([self._corrected_root_variance(p, beta2[p])
+                                for p in self._trainable()])
 
     def _keep(self, p: torch.Tensor, beta2: float, negligible: float) -> torch.Tensor:
         """Flat bool mask of ``p``'s coordinates that take part in the compression stage."""
@@ -555,7 +606,7 @@ class OneBitAdam(Optimizer):
             state = self.state[p]
             state["step"] += 1
             frozen_update_(p, state["exp_avg"], state["exp_avg_sq"], state["step"].item(),
-                           state["frozen_step"], **hyper)
+                           state["frozen_step"], bounded=self.bound_update, **hyper)
 
     # ---------------------------------------------------------------------------- state dict
     def state_dict(self) -> dict:
@@ -572,6 +623,9 @@ class OneBitAdam(Optimizer):
         units = ([u.state_dict() for u in self._units] if self._units is not None
                  else self._saved.get("units"))
         return {"global_step": self.global_step, "freeze_step": self.freeze_step,
+                "auto_freeze": (self.auto_freeze.state_dict()
+                                if self.auto_freeze is not None and self.switch_step is None
+                                else None),
                 "switch_step": self.switch_step, "skipped_steps": self.skipped_steps,
                 "world_size": self.world_size, "unit_cap_bytes": self._unit_cap_bytes,
                 "warmup_counts": (self._warmup_sent, self._warmup_dense),
@@ -614,12 +668,15 @@ class OneBitAdam(Optimizer):
             )
         if onebit["freeze_step"] != self.freeze_step:
             log.warning(
-                "onebit: the checkpoint has freeze_step=%d, this optimizer %d: %s",
+                "onebit: the checkpoint has freeze_step=%s, this optimizer %s: %s",
                 onebit["freeze_step"], self.freeze_step,
                 f"it is ignored, the variance was frozen after step {onebit['switch_step']}"
                 if onebit["switch_step"] is not None else "the new value applies")
         self.global_step = int(onebit["global_step"])
         self.switch_step = onebit["switch_step"]
+        auto = onebit.get("auto_freeze")
+        if self.auto_freeze is not None and auto is not None:  # resumed mid warm-up
+            self.auto_freeze.load_state_dict(auto, [p.device for p in self._trainable()])
         self.skipped_steps = int(onebit["skipped_steps"])
         self._warmup_sent, self._warmup_dense = onebit["warmup_counts"]
         self._comm = None
@@ -659,6 +716,13 @@ def _reject_sharded(params: list[torch.Tensor]) -> None:
 
 
 WATCHDOG_MARGIN = timedelta(seconds=30)
+
+
+def negligible_root(roots: list[torch.Tensor]) -> float:
+    """NEGLIGIBLE_VARIANCE of the rms of ``roots`` (every trainable coordinate's sqrt(v_hat))."""
+    total = sum(float(r.square().sum(dtype=torch.float64)) for r in roots)
+    count = sum(r.numel() for r in roots)
+    return NEGLIGIBLE_VARIANCE * math.sqrt(total / max(count, 1))
 
 
 def _new_group(group: dist.ProcessGroup | None, timeout: timedelta | None) -> dist.ProcessGroup:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from onebit_plugin import CompressedAllreduce, OneBitAdam, check_lockstep
+from onebit_plugin import CompressedAllreduce, OneBitAdam, adam_step_bound, check_lockstep
 from tests.dist_helpers import assert_ranks_identical, run_ranks
 
 
@@ -143,9 +143,10 @@ def test_compression_stage_lockstep_and_masking(world, dtype):
     assert sent < dense
 
 
-def test_single_process_is_frozen_variance_adam():
+@pytest.mark.parametrize("bounded", [True, False])
+def test_single_process_is_frozen_variance_adam(bounded):
     model = _model()
-    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=3)
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=3, bound_update=bounded)
     for step in range(3):
         opt.zero_grad()
         _loss(model, _batch(step)).backward()
@@ -161,25 +162,33 @@ def test_single_process_is_frozen_variance_adam():
     opt.step()
     assert torch.equal(opt.state[w]["exp_avg_sq"], v_frozen)
     m = m.lerp(g, 0.1)
-    expected = before - 1e-2 / (1 - 0.9**4) * m / ((v_frozen.sqrt() / (1 - 0.999**3) ** 0.5)
-                                                   + 1e-8)
+    ratio = m / (1 - 0.9**4) / ((v_frozen.sqrt() / (1 - 0.999**3) ** 0.5) + 1e-8)
+    bound = adam_step_bound(0.9, 0.999, 4)  # 1.007: the largest Adam can take at step 4
+    assert (ratio.abs() > bound).any()  # the case where bounding matters
+    if bounded:
+        ratio = ratio.clamp(-bound, bound)
+    expected = before - 1e-2 * ratio
     torch.testing.assert_close(w.detach(), expected, rtol=1e-6, atol=1e-7)
     assert opt.bytes_sent == 0  # one process: nothing on the wire
 
 
 def test_zero_variance_mask_prevents_blow_up():
-    """Without the mask, the compressor's +-scale on never-seen rows is divided by eps."""
+    """Without the mask, the compressor's +-scale on never-seen rows is divided by eps; the
+    step bound caps that at Adam's largest step (5 compression steps at lr 1e-2: at most
+    0.05), the mask keeps such rows where they are."""
     moved = {}
-    for masked in (True, False):
-        results = run_ranks(_mask_worker, 2, masked)
-        moved[masked] = results[0]
-    assert moved[True] == 0.0
-    assert moved[False] > 1.0
+    for masked, bounded in ((True, True), (False, True), (False, False)):
+        moved[masked, bounded] = run_ranks(_mask_worker, 2, masked, bounded)[0]
+    assert moved[True, True] == 0.0
+    assert 0 < moved[False, True] <= 1e-2 * sum(adam_step_bound(0.9, 0.999, t)
+                                                for t in range(4, 9)) + 1e-6
+    assert moved[False, False] > 1.0
 
 
-def _mask_worker(rank, world, masked):
+def _mask_worker(rank, world, masked, bounded):
     model = _model()
-    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=3, mask_zero_variance=masked)
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=3, mask_zero_variance=masked,
+                     bound_update=bounded)
     before = model[0].weight.detach()[20:].clone()
     for step in range(8):
         opt.zero_grad()
@@ -389,7 +398,7 @@ class _Attention(torch.nn.Module):
         return self.head(self.attn(x, x, x, need_weights=False)[0].mean(1))
 
 
-def _key_bias_worker(rank, world, optimizer, mask):
+def _key_bias_worker(rank, world, optimizer, mask, bounded=True):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = _Attention()
@@ -398,7 +407,8 @@ def _key_bias_worker(rank, world, optimizer, mask):
         model = DDP(model)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     else:
-        opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=5, mask_zero_variance=mask)
+        opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=5, mask_zero_variance=mask,
+                         bound_update=bounded)
     gen = torch.Generator().manual_seed(rank)
     for _ in range(35):
         x, y = torch.randn(8, 6, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
@@ -416,9 +426,11 @@ def test_attention_key_bias_moves_no_more_than_under_adam():
     being moved by lr * scale / eps; the query bias still trains."""
     adam_key, adam_query = run_ranks(_key_bias_worker, 2, "adam", True)[0]
     key, query = run_ranks(_key_bias_worker, 2, "onebit", True)[0]
-    unmasked_key, _ = run_ranks(_key_bias_worker, 2, "onebit", False)[0]
+    # What the mask prevents, without the step bound (which alone would cap it at Adam's
+    # largest step per step: still 6x Adam's movement here).
+    unmasked_key, _ = run_ranks(_key_bias_worker, 2, "onebit", False, False)[0]
     print(f"key bias moved {key:.2e} (Adam {adam_key:.2e}, without the mask {unmasked_key:.2e});"
           f" query bias {query:.2e} (Adam {adam_query:.2e})")
     assert key <= adam_key
-    assert unmasked_key > 100 * adam_key  # what the mask prevents
+    assert unmasked_key > 100 * adam_key
     assert query > 0.1 * adam_query

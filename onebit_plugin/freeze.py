@@ -1,0 +1,96 @@
+"""``freeze_step="auto"``: freeze the variance once it has settled (docs/design.md, "When to
+freeze").
+
+At steps 16, 23, 32, 45, 64, 91, ... (a factor sqrt(2) apart) the bias-corrected ``sqrt(v_hat)``
+of every trainable coordinate is compared with its value two checks earlier, at about half the
+step: ``change = sum|r_t - r_(t/2)| / sum r_t``. The ratio is scale-free: while ``v_hat`` is a
+running mean of a gradient scale that keeps shrinking, it stays put however long the run (0.26-0.42
+at every check on the char-level model of ``examples/``), and it falls once the gradients' scale
+stops drifting. The variance is frozen at the first check where ``change <= SETTLED`` and at most
+``NEW_COORDINATES`` of the coordinates became non-negligible since (rows of rare tokens seen for the
+first time: they would stay masked), or at ``CEILING`` of ``total_steps``, whichever comes first.
+``v`` comes from averaged gradients, so every rank computes the same numbers and freezes at the same
+step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["AutoFreeze", "CEILING", "NEW_COORDINATES", "SETTLED", "is_check_step"]
+
+FIRST_CHECK = 16
+# The step sizes (1/sqrt(v)) drifted by at most 10% (L1, weighted by sqrt(v)) over the second
+# half of the steps so far: the paper's premise that the variance has become stable.
+SETTLED = 0.10
+NEW_COORDINATES = 1e-3
+# 20% of the run at most: then the whole run sends at most 0.2 + 0.8/30 of Adam's bytes (4.4x
+# fewer), inside the paper's 15-25% (docs/benchmarks.md measures the loss at this point).
+CEILING = 0.20
+_CHECKS = sorted({round(FIRST_CHECK * 2 ** (k / 2)) for k in range(80)})
+
+
+def is_check_step(step: int) -> bool:
+    return step in _CHECK_SET
+
+
+_CHECK_SET = frozenset(_CHECKS)
+
+
+class AutoFreeze:
+    """The decision state: the two latest snapshots of ``sqrt(v_hat)`` (fp32, one tensor per
+    trainable parameter, warm-up only) and what the last check measured."""
+
+    def __init__(self, total_steps: int | None):
+        self.total_steps = total_steps
+        self.snapshots: list[tuple[int, list[torch.Tensor]]] = []  # oldest first, at most 2
+        self.last: dict | None = None
+
+    @property
+    def ceiling(self) -> int | None:
+        if self.total_steps is None:
+            return None
+        return max(1, math.floor(CEILING * self.total_steps))
+
+    def observe(self, step: int, roots, negligible: float) -> str | None:
+        """After applied warm-up step ``step``: the reason to freeze now, or None. ``roots``:
+        a callable returning this step's ``sqrt(v_hat)`` per parameter (only called at checks);
+        ``negligible``: callable, the masking threshold for those roots."""
+        ceiling = self.ceiling
+        if ceiling is not None and step >= ceiling:
+            return f"the ceiling, {CEILING:.0%} of total_steps={self.total_steps}"
+        if not is_check_step(step):
+            return None
+        now = roots()
+        reason = None
+        if len(self.snapshots) == 2:
+            then_step, then = self.snapshots[0]
+            below = negligible(now)
+            sums = torch.stack([
+                torch.stack([r.sum(dtype=torch.float64) for r in now]).sum(),
+                torch.stack([(r - o).abs().sum(dtype=torch.float64)
+                             for r, o in zip(now, then, strict=True)]).sum(),
+                torch.stack([((o < below) & (r >= below)).sum(dtype=torch.float64)
+                             for r, o in zip(now, then, strict=True)]).sum(),
+            ]).tolist()  # the one host sync of a check
+            total, moved, new = sums
+            count = sum(r.numel() for r in now)
+            change = moved / total if total > 0 else 0.0
+            fresh = new / max(count, 1)
+            self.last = {"step": step, "since": then_step, "change": change, "new": fresh}
+            if change <= SETTLED and fresh <= NEW_COORDINATES:
+                reason = (f"sqrt(v) changed {change:.1%} since step {then_step} and "
+                          f"{fresh:.2%} of the coordinates were first seen since")
+        self.snapshots = (self.snapshots + [(step, now)])[-2:]
+        return reason
+
+    def state_dict(self) -> dict:
+        return {"total_steps": self.total_steps, "last": self.last,
+                "snapshots": [(s, [t.clone() for t in ts]) for s, ts in self.snapshots]}
+
+    def load_state_dict(self, state: dict, devices: list[torch.device]) -> None:
+        self.last = state["last"]
+        self.snapshots = [(s, [t.to(d, copy=True) for t, d in zip(ts, devices, strict=True)])
+                          for s, ts in state["snapshots"]]
