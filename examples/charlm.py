@@ -94,3 +94,8 @@ def evaluate(model: nn.Module, data: torch.Tensor, context: int, batches: int = 
 
 def bits_per_byte(loss: float) -> float:
     return loss / math.log(2)
+
+
+def freeze_step_arg(value: str) -> int | str:
+    """``--freeze-step``: an int, or ``auto`` (OneBitAdam decides, at most at 20% of the run)."""
+    return value if value == "auto" else int(value)

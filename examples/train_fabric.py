@@ -23,7 +23,14 @@ from lightning.fabric import Fabric
 from onebit_plugin import OneBitAdam
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from charlm import CharGPT, evaluate, load_corpus, loss_fn, sample_batch  # noqa: E402
+from charlm import (  # noqa: E402
+    CharGPT,
+    evaluate,
+    freeze_step_arg,
+    load_corpus,
+    loss_fn,
+    sample_batch,
+)
 from wire import WireLog  # noqa: E402
 
 
@@ -36,7 +43,7 @@ def main(argv=None) -> None:
     p.add_argument("--accelerator", default="cpu")
     p.add_argument("--precision", default="32-true")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps")
-    p.add_argument("--freeze-step", type=int, default=60)
+    p.add_argument("--freeze-step", type=freeze_step_arg, default=60, help="an int, or auto")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--context", type=int, default=64)
@@ -54,7 +61,8 @@ def main(argv=None) -> None:
     model = CharGPT(context=args.context)
     if args.optimizer == "onebit":
         optimizer = OneBitAdam(model.parameters(), lr=args.lr, weight_decay=0.01,
-                               decoupled_weight_decay=True, freeze_step=args.freeze_step)
+                               decoupled_weight_decay=True, freeze_step=args.freeze_step,
+                               total_steps=args.steps)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     model, optimizer = fabric.setup(model, optimizer)

@@ -25,7 +25,7 @@ from onebit_plugin import OneBitAdam
 from onebit_plugin.integrations.lightning import OneBitAdamCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from charlm import CharGPT, load_corpus, loss_fn, sample_batch  # noqa: E402
+from charlm import CharGPT, freeze_step_arg, load_corpus, loss_fn, sample_batch  # noqa: E402
 
 
 class Windows(Dataset):
@@ -110,7 +110,8 @@ def parse_args(argv=None):
                    choices=["onebit_adam", "onebit_adam_spawn", "onebit_adam_fork"],
                    help="how Lightning starts the processes (with --optimizer onebit)")
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--freeze-step", type=int, default=60)
+    p.add_argument("--freeze-step", type=freeze_step_arg, default="auto",
+                   help="warm-up steps, or auto (the strategy gives OneBitAdam the run's length)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--batch", type=int, default=16, help="sequences per rank per micro-batch")
     p.add_argument("--context", type=int, default=64)

@@ -24,15 +24,22 @@ import torch.distributed as dist
 from onebit_plugin import OneBitAdam, check_lockstep
 
 try:
-    from charlm import CharGPT, evaluate, load_corpus, loss_fn, sample_batch
+    from charlm import CharGPT, evaluate, freeze_step_arg, load_corpus, loss_fn, sample_batch
 except ImportError:  # imported as examples.train_torchrun
-    from examples.charlm import CharGPT, evaluate, load_corpus, loss_fn, sample_batch
+    from examples.charlm import (
+        CharGPT,
+        evaluate,
+        freeze_step_arg,
+        load_corpus,
+        loss_fn,
+        sample_batch,
+    )
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--freeze-step", type=int, default=60)
+    p.add_argument("--freeze-step", type=freeze_step_arg, default=60, help="an int, or auto")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
     p.add_argument("--context", type=int, default=64)
@@ -117,7 +124,7 @@ def main(argv=None) -> dict:
     train, val = load_corpus()
     opt = OneBitAdam(
         model.parameters(), lr=args.lr,
-        freeze_step=10**12 if args.baseline else args.freeze_step,
+        freeze_step=10**12 if args.baseline else args.freeze_step, total_steps=args.steps,
         max_block=args.max_block, scale=args.scale, mask_zero_variance=not args.no_mask,
         compress_momentum=not args.exact_momentum, comm_timeout=args.comm_timeout,
         bound_update=not args.no_bound,
@@ -179,6 +186,7 @@ def main(argv=None) -> dict:
         "parameters": n_params,
         "steps": args.steps,
         "freeze_step": None if args.baseline else args.freeze_step,
+        "switch_step": opt.switch_step,
         "final_val_loss": history[-1][2],
         "bytes_sent": opt.bytes_sent,
         "dense_bytes": opt.dense_bytes,

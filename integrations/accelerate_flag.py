@@ -16,7 +16,10 @@ passes the environment to every process -- ``prepare()``:
 Settings, all read from the environment when ``prepare()`` runs:
 
 * ``ONEBIT_ADAM``: ``1``/``true``/``yes`` turns it on (``0``, unset: off);
-* ``ONEBIT_FREEZE_STEP``: warm-up optimizer steps, required when on;
+* ``ONEBIT_FREEZE_STEP``: warm-up optimizer steps, or ``auto`` (frozen once the variance has
+  settled, at most at 20% of ``ONEBIT_TOTAL_STEPS``; a ``transformers.Trainer`` fills that in
+  from its ``max_steps``); required when on;
+* ``ONEBIT_TOTAL_STEPS``: the run's optimizer steps, for ``auto``;
 * ``ONEBIT_MAX_BLOCK`` (default 2048), ``ONEBIT_SCALE`` (``rms``/``mean``),
   ``ONEBIT_OVERLAP`` (default 1; 0 compresses in ``optimizer.step()`` instead of inside
   backward), ``ONEBIT_TIMEOUT`` (seconds a compressed allreduce may take before the step
@@ -68,7 +71,7 @@ def _int(name: str, default: int | None) -> int:
             raise ValueError(
                 f"ONEBIT_ADAM=1 needs {name} (or onebit-run --freeze-step N): the number of "
                 "uncompressed Adam warm-up steps (an int >= 1, typically 15-25% of the "
-                "optimizer steps)"
+                "optimizer steps), or auto"
             )
         return default
     try:
@@ -85,13 +88,14 @@ def _float(name: str) -> float | None:
         raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
 
 
-VARIABLES = ("ONEBIT_ADAM", "ONEBIT_FREEZE_STEP", "ONEBIT_MAX_BLOCK", "ONEBIT_SCALE",
-             "ONEBIT_OVERLAP", "ONEBIT_TIMEOUT")
+VARIABLES = ("ONEBIT_ADAM", "ONEBIT_FREEZE_STEP", "ONEBIT_TOTAL_STEPS", "ONEBIT_MAX_BLOCK",
+             "ONEBIT_SCALE", "ONEBIT_OVERLAP", "ONEBIT_TIMEOUT")
 
 
 @dataclass(frozen=True)
 class OneBitSettings:
-    freeze_step: int
+    freeze_step: int | str
+    total_steps: int | None = None
     max_block: int = 2048
     scale: str = "rms"
     overlap: bool = True
@@ -108,14 +112,19 @@ class OneBitSettings:
             raise ValueError(f"unknown setting(s) {', '.join(unknown)}: the ONEBIT_ variables "
                              f"are {', '.join(VARIABLES)}")
         settings = cls(
-            freeze_step=_int("ONEBIT_FREEZE_STEP", None),
+            freeze_step=("auto" if os.environ.get("ONEBIT_FREEZE_STEP", "").strip() == "auto"
+                         else _int("ONEBIT_FREEZE_STEP", None)),
+            total_steps=_int("ONEBIT_TOTAL_STEPS", 0) or None,
             max_block=_int("ONEBIT_MAX_BLOCK", 2048),
             scale=os.environ.get("ONEBIT_SCALE", "rms"),
             overlap=_flag("ONEBIT_OVERLAP", "1"),
             timeout=_float("ONEBIT_TIMEOUT"),
         )
-        if settings.freeze_step < 1:
-            raise ValueError(f"ONEBIT_FREEZE_STEP must be >= 1, got {settings.freeze_step}")
+        if settings.freeze_step != "auto" and settings.freeze_step < 1:
+            raise ValueError(f"ONEBIT_FREEZE_STEP must be >= 1 or auto, got "
+                             f"{settings.freeze_step}")
+        if settings.total_steps is not None and settings.total_steps < 1:
+            raise ValueError(f"ONEBIT_TOTAL_STEPS must be >= 1, got {settings.total_steps}")
         if not (8 <= settings.max_block <= MAX_BLOCK and settings.max_block % 8 == 0):
             raise ValueError(f"ONEBIT_MAX_BLOCK must be a multiple of 8 in [8, {MAX_BLOCK}], "
                              f"got {settings.max_block}")
@@ -149,6 +158,8 @@ def to_onebit_adam(optimizer: torch.optim.Optimizer, settings: OneBitSettings) -
     return OneBitAdam(
         optimizer.param_groups, lr=first["lr"], betas=first["betas"], eps=first["eps"],
         weight_decay=first["weight_decay"], freeze_step=settings.freeze_step,
+        # A transformers.Trainer leaves its max_steps here (transformers_trainer).
+        total_steps=settings.total_steps or getattr(optimizer, "onebit_total_steps", None),
         decoupled_weight_decay=decoupled, max_block=settings.max_block, scale=settings.scale,
         comm_timeout=settings.timeout,
     )
@@ -276,9 +287,15 @@ class Accelerator(accelerate.Accelerator):
         )
         # Said on the main process, whatever the logging level: the run is not what the
         # script's code alone suggests.
-        self.print(f"onebit: 1-bit Adam on: {type(self._onebit_pending[0]).__name__} averages "
-                   f"with the 1-bit hook (overlap={self.onebit_hook_state.overlap}); the "
-                   f"momentum is exchanged as 1-bit signs after step {self.onebit.freeze_step}")
+        opt = self._onebit_pending[0]
+        when = (f"after step {opt.freeze_step}" if opt.auto_freeze is None else
+                "once the variance has settled (freeze_step=auto), at the latest after step "
+                f"{opt.auto_freeze.ceiling}" if opt.auto_freeze.ceiling else
+                "once the variance has settled (freeze_step=auto, no total steps known: maybe "
+                "never; set ONEBIT_TOTAL_STEPS)")
+        self.print(f"onebit: 1-bit Adam on: {type(opt).__name__} averages with the 1-bit hook "
+                   f"(overlap={self.onebit_hook_state.overlap}); the momentum is exchanged as "
+                   f"1-bit signs {when}")
 
     def backward(self, loss, **kwargs):
         if self.onebit is not None and self.onebit_hook_state is None and not self._said_idle \

@@ -90,7 +90,7 @@ def make_fabric_strategy_class(fabric, module: str):
                 self._optimizer.comm_timeout = timedelta(seconds=self.comm_timeout)
             self.hook_state = register_onebit_hook(self._model, self._optimizer,
                                                    overlap=self.overlap)
-            log.info("onebit: Fabric strategy onebit_adam, freeze_step=%d, overlap=%s",
+            log.info("onebit: Fabric strategy onebit_adam, freeze_step=%s, overlap=%s",
                      self._optimizer.freeze_step, self.hook_state.overlap)
 
         def get_optimizer_state(self, optimizer) -> dict:

@@ -23,9 +23,12 @@ BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="onebit-run", description=__doc__.split("\n\n")[0],
-        usage="onebit-run [--freeze-step N] COMMAND [ARGS ...]")
-    parser.add_argument("--freeze-step", type=int,
-                        help="uncompressed Adam warm-up steps (else ONEBIT_FREEZE_STEP)")
+        usage="onebit-run [--freeze-step N|auto] [--total-steps N] COMMAND [ARGS ...]")
+    parser.add_argument("--freeze-step",
+                        help="uncompressed Adam warm-up steps, or auto (else ONEBIT_FREEZE_STEP)")
+    parser.add_argument("--total-steps", type=int,
+                        help="the run's optimizer steps, for --freeze-step auto (a "
+                             "transformers.Trainer gives its own; else ONEBIT_TOTAL_STEPS)")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if not args.command:
@@ -34,6 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     env.setdefault("ONEBIT_ADAM", "1")
     if args.freeze_step is not None:
         env["ONEBIT_FREEZE_STEP"] = str(args.freeze_step)
+    if args.total_steps is not None:
+        env["ONEBIT_TOTAL_STEPS"] = str(args.total_steps)
     from onebit_plugin.integrations.accelerate_flag import OneBitSettings
 
     try:

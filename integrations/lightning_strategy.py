@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from datetime import timedelta
 
 import torch
@@ -141,6 +142,9 @@ def make_strategy_class(pl, callback_cls, module: str):
             if self.comm_timeout is not None:
                 optimizers[0].comm_timeout = timedelta(seconds=self.comm_timeout)
             self._bound_default_group(optimizers[0].comm_timeout)
+            total = trainer.estimated_stepping_batches  # inf for max_steps=-1 and no epochs
+            if optimizers[0].auto_freeze is not None and math.isfinite(total):
+                optimizers[0].set_total_steps(int(total))
             self.hook_state = register_onebit_hook(
                 self.model, optimizers[0], overlap=self.overlap,
                 record_timeline=self.record_timeline,

@@ -51,6 +51,19 @@ def patch_trainer(trainer_cls) -> None:
             load_rank_states(checkpoint, self.args.process_index, self.args.world_size,
                              optimizers)
 
+    create_scheduler = getattr(trainer_cls, "create_scheduler", None)
+    if create_scheduler is not None:
+        @functools.wraps(create_scheduler)
+        def create_scheduler_with_total(self, num_training_steps, optimizer=None, *args,
+                                        **kwargs):
+            # The run's length, for freeze_step="auto": OneBitAdam replaces this optimizer
+            # in prepare(), which comes after (accelerate_flag.to_onebit_adam reads it).
+            target = optimizer if optimizer is not None else self.optimizer
+            if target is not None:
+                target.onebit_total_steps = int(num_training_steps)
+            return create_scheduler(self, num_training_steps, optimizer, *args, **kwargs)
+
+        trainer_cls.create_scheduler = create_scheduler_with_total
     setattr(trainer_cls, SAVE, save_with_ranks)
     setattr(trainer_cls, LOAD, load_with_ranks)
     trainer_cls._onebit_patched = True

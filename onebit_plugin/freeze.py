@@ -60,7 +60,10 @@ class AutoFreeze:
         ``negligible``: callable, the masking threshold for those roots."""
         ceiling = self.ceiling
         if ceiling is not None and step >= ceiling:
-            return f"the ceiling, {CEILING:.0%} of total_steps={self.total_steps}"
+            last = self.last
+            return (f"the ceiling, {CEILING:.0%} of total_steps={self.total_steps}" +
+                    (f" (at step {last['step']} sqrt(v) had changed {last['change']:.1%} since "
+                     f"step {last['since']})" if last else ""))
         if not is_check_step(step):
             return None
         now = roots()

@@ -87,11 +87,10 @@ class OneBitAdam(Optimizer):
             else already did; the compression stage always averages the momentum itself.
         compress_momentum: False averages the momentum with an exact fp32 allreduce after the
             freeze (the ablation that separates freezing the variance from compressing).
-        bound_update: clamp each coordinate's compression-stage step ``m_hat / (sqrt(v_hat) +
-            eps)`` to the largest Adam can take at that step (``adam_step_bound``: 3.36 at step
-            240, 7.27 in the limit, at the default betas). A variance frozen before a coordinate
-            was seen much (a rare embedding row) would otherwise let it run away (docs/design.md,
-            "Bounded steps"). False is the ablation.
+        bound_update: in the compression stage, take the frozen variance as at least
+            ``m_hat**2``: each coordinate moves at most ``lr`` per step. A variance frozen before
+            a coordinate's gradients grew (a rare embedding row) would otherwise let it run away
+            (docs/design.md, "Bounded steps"). False is the ablation.
         comm_timeout: seconds any of OneBitAdam's collectives may take before ``step()`` raises
             ``CommunicationError``. Default: the process group's timeout.
         bucket_cap_mb: fp32 megabytes per momentum unit (the parameters are cut into units in

@@ -8,11 +8,9 @@ read through an fp32 copy and the parameter is rounded back once per step.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-__all__ = ["adam_step_bound", "adam_update_", "fold_gradient_", "frozen_update_"]
+__all__ = ["adam_update_", "fold_gradient_", "frozen_update_"]
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
@@ -60,40 +58,26 @@ def fold_gradient_(
     torch.lerp(exp_avg, grad, 1 - beta1, out=out)
 
 
-def adam_step_bound(beta1: float, beta2: float, step: float) -> float:
-    """The largest ``|m_hat / sqrt(v_hat)|`` that Adam can reach at ``step``, whatever the
-    gradients: by Cauchy-Schwarz over the two moving averages' weights,
-    ``sqrt(sum_k w_k**2 / u_k)`` with ``w_k = (1-b1) b1**k / (1-b1**t)`` and
-    ``u_k = (1-b2) b2**k / (1-b2**t)``. At (0.9, 0.999): 3.36 at step 240, 5.78 at 1,000, 7.27
-    in the limit; 1 at step 1. Infinite when ``b1**2 >= b2`` (no bound exists)."""
-    if beta2 == 0 or beta1 * beta1 >= beta2:
-        return math.inf
-    ratio = beta1 * beta1 / beta2
-    weights = (1 - ratio**step) / (1 - ratio)
-    return math.sqrt((1 - beta1) ** 2 * (1 - beta2**step) / ((1 - beta2) * (1 - beta1**step) ** 2)
-                     * weights)
-
-
 def frozen_update_(
     param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: float,
     frozen_step: float, *, lr: float, beta1: float, beta2: float, eps: float,
     weight_decay: float, decoupled: bool, bounded: bool = True,
 ) -> None:
     """The compression-stage update: the averaged momentum over the variance frozen at
-    ``frozen_step`` (its bias correction frozen with it). ``bounded``: each coordinate's
-    ``m_hat / (sqrt(v_hat) + eps)`` is clamped to :func:`adam_step_bound`, a step Adam itself
-    could take; only a variance frozen too small for today's momentum (a rare embedding row)
-    reaches it."""
+    ``frozen_step`` (its bias correction frozen with it). ``bounded``: the variance is taken as
+    at least ``m_hat**2``, so each coordinate's ``m_hat / (sqrt(v_hat) + eps)`` is clamped to
+    +-1 (``lr`` per step). A second moment is never below the square of a mean of the same
+    gradients (Jensen); a variance frozen before a coordinate's gradients grew (a rare
+    embedding row, attention weights) breaks that, and would let the coordinate run away."""
     p = _fp32(param)
     if weight_decay != 0 and decoupled:
         p.mul_(1 - lr * weight_decay)
     correction = 1 - beta1**step
     denom = (exp_avg_sq.sqrt() / (1 - beta2**frozen_step) ** 0.5).add_(eps)
-    bound = adam_step_bound(beta1, beta2, step) if bounded else math.inf
-    if math.isinf(bound):
-        p.addcdiv_(exp_avg, denom, value=-(lr / correction))
-    else:
+    if bounded:
         ratio = torch.div(exp_avg, denom, out=denom)
-        limit = bound * correction  # on m / denom, before m's bias correction
-        p.add_(ratio.clamp_(-limit, limit), alpha=-(lr / correction))
+        # |m_hat / denom| <= 1 is |m / denom| <= 1 - b1**step, before m's bias correction.
+        p.add_(ratio.clamp_(-correction, correction), alpha=-(lr / correction))
+    else:
+        p.addcdiv_(exp_avg, denom, value=-(lr / correction))
     _write_back(param, p)

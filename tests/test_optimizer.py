@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from onebit_plugin import CompressedAllreduce, OneBitAdam, adam_step_bound, check_lockstep
+from onebit_plugin import CompressedAllreduce, OneBitAdam, check_lockstep
 from tests.dist_helpers import assert_ranks_identical, run_ranks
 
 
@@ -163,10 +163,9 @@ def test_single_process_is_frozen_variance_adam(bounded):
     assert torch.equal(opt.state[w]["exp_avg_sq"], v_frozen)
     m = m.lerp(g, 0.1)
     ratio = m / (1 - 0.9**4) / ((v_frozen.sqrt() / (1 - 0.999**3) ** 0.5) + 1e-8)
-    bound = adam_step_bound(0.9, 0.999, 4)  # 1.007: the largest Adam can take at step 4
-    assert (ratio.abs() > bound).any()  # the case where bounding matters
-    if bounded:
-        ratio = ratio.clamp(-bound, bound)
+    assert (ratio.abs() > 1).any()  # the case where bounding matters
+    if bounded:  # the variance taken as at least m_hat**2
+        ratio = ratio.clamp(-1, 1)
     expected = before - 1e-2 * ratio
     torch.testing.assert_close(w.detach(), expected, rtol=1e-6, atol=1e-7)
     assert opt.bytes_sent == 0  # one process: nothing on the wire
@@ -174,14 +173,13 @@ def test_single_process_is_frozen_variance_adam(bounded):
 
 def test_zero_variance_mask_prevents_blow_up():
     """Without the mask, the compressor's +-scale on never-seen rows is divided by eps; the
-    step bound caps that at Adam's largest step (5 compression steps at lr 1e-2: at most
-    0.05), the mask keeps such rows where they are."""
+    step bound caps that at lr per step (5 compression steps at lr 1e-2: at most 0.05), the
+    mask keeps such rows where they are."""
     moved = {}
     for masked, bounded in ((True, True), (False, True), (False, False)):
         moved[masked, bounded] = run_ranks(_mask_worker, 2, masked, bounded)[0]
     assert moved[True, True] == 0.0
-    assert 0 < moved[False, True] <= 1e-2 * sum(adam_step_bound(0.9, 0.999, t)
-                                                for t in range(4, 9)) + 1e-6
+    assert 0 < moved[False, True] <= 5 * 1e-2 + 1e-6
     assert moved[False, False] > 1.0
 
 
@@ -426,8 +424,7 @@ def test_attention_key_bias_moves_no_more_than_under_adam():
     being moved by lr * scale / eps; the query bias still trains."""
     adam_key, adam_query = run_ranks(_key_bias_worker, 2, "adam", True)[0]
     key, query = run_ranks(_key_bias_worker, 2, "onebit", True)[0]
-    # What the mask prevents, without the step bound (which alone would cap it at Adam's
-    # largest step per step: still 6x Adam's movement here).
+    # What the mask prevents, without the step bound (which alone caps it at lr per step).
     unmasked_key, _ = run_ranks(_key_bias_worker, 2, "onebit", False, False)[0]
     print(f"key bias moved {key:.2e} (Adam {adam_key:.2e}, without the mask {unmasked_key:.2e});"
           f" query bias {query:.2e} (Adam {adam_query:.2e})")
