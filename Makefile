@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 NPROC ?= 2
 DEMO_DIR ?= demo_out
 
-.PHONY: install demo test lint bench soak clean
+.PHONY: install demo test lint bench fidelity soak clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,13 @@ bench: $(STAMP)
 	$(PY) benchmarks/cluster.py --workload comm
 	$(PY) benchmarks/cluster.py --workload compute
 	benchmarks/accuracy.sh
+
+# Accuracy against bytes (about 10 minutes on 2 cores): Adam, 1-bit Adam (fixed freeze and
+# freeze_step="auto"), fp16 and PowerSGD on a char-level GPT, a word-embedding model and
+# scikit-learn's digits, 3 seeds, 2 gloo ranks; table and plot in docs/benchmarks.md.
+fidelity: $(STAMP)
+	$(PY) -m pip install -q -e ".[dev,bench]"
+	$(PY) benchmarks/fidelity.py
 
 soak: $(STAMP)
 	$(VENV)/bin/torchrun --nproc_per_node 2 benchmarks/soak.py --steps 3000
