@@ -19,7 +19,9 @@ pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_hf_trainer.py"
 BIN = Path(sys.executable).parent
-STEPS, FREEZE = 80, 20  # the freeze after the LR warm-up (10 steps), 25% of the run
+# freeze_step="auto": the Trainer's max_steps is the only place the run's length is known;
+# on this short run the variance has not settled, so the freeze is the ceiling, 20% of 80.
+STEPS, FREEZE = 80, 16
 
 
 def _launch(out: Path, onebit: bool, *args: str) -> str:
@@ -27,7 +29,7 @@ def _launch(out: Path, onebit: bool, *args: str) -> str:
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            str(SCRIPT), "--steps", str(STEPS), "--out", str(out), *args]
     if onebit:
-        cmd = [str(BIN / "onebit-run"), "--freeze-step", str(FREEZE), *cmd]
+        cmd = [str(BIN / "onebit-run"), "--freeze-step", "auto", *cmd]
     env = {k: v for k, v in os.environ.items() if not k.startswith("ONEBIT_")}
     env.update(ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1")
     with owned_processes() as start:
@@ -60,8 +62,7 @@ def test_trainer_under_onebit_run_compresses_and_resumes_bitwise(tmp_path):
           f"{reference['val_loss']:.4f}; largest |parameter| {summary['largest_abs_param']:.2f}"
           f" against {reference['largest_abs_param']:.2f}")
     assert dense / ours >= 25
-    # A sanity bound: the accuracy target (within 1% of Adam without tuning) is the fidelity
-    # issue's; with this fixed 25% freeze the gap measured +2.7%.
+    # A sanity bound; the accuracy figures are benchmarks/fidelity.py's.
     assert summary["val_loss"] <= 1.05 * reference["val_loss"]
     # Each rank's own error buffers are in the Trainer's checkpoint and come back on resume.
     checkpoint = onebit / "checkpoints" / "checkpoint-60"

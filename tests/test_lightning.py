@@ -18,11 +18,14 @@ pytest.importorskip("pytorch_lightning")
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_lightning.py"
-FREEZE = 10
+# The script's default freeze_step="auto": the strategy hands OneBitAdam the Trainer's
+# estimated_stepping_batches, and on these short runs the variance freezes at the ceiling, 20%
+# of it (6 of the 30-step runs' steps; the first settledness check is at step 16).
+FREEZE = 6
 
 
 def _fit(out: Path, *args: str) -> str:
-    cmd = [sys.executable, str(SCRIPT), "--devices", "2", "--freeze-step", str(FREEZE),
+    cmd = [sys.executable, str(SCRIPT), "--devices", "2", "--freeze-step", "auto",
            "--val-every", "10", "--log-every", "5", "--out", str(out), *args]
     with owned_processes() as start:  # Lightning's own rank processes included
         proc = start(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -232,7 +235,7 @@ def test_rank_zero_exits_when_its_peer_hangs_and_fit_resumes_from_last(fp32_run,
     fit(ckpt_path="last") on the same folder ends bit for bit where the uninterrupted run ended."""
     settings = ["--steps", "30", "--precision", "32-true", "--accumulate", "2", "--clip", "1.0",
                 "--ckpt-every", "5", "--check-lockstep", "1", "--comm-timeout", "3"]
-    cmd = [sys.executable, str(SCRIPT), "--devices", "2", "--freeze-step", str(FREEZE),
+    cmd = [sys.executable, str(SCRIPT), "--devices", "2", "--freeze-step", "auto",
            "--val-every", "10", "--log-every", "5", "--out", str(tmp_path), *settings,
            "--hang-at", "20"]
     log = tmp_path / "log.txt"
