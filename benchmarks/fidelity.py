@@ -45,7 +45,7 @@ from wire import written  # noqa: E402
 
 STEPS = 240
 FIXED_FREEZE = 40  # 17% of the run, inside the paper's 15-25%
-VARIANTS = ["adam", "onebit_fixed", "onebit_auto", "fp16", "powersgd"]
+VARIANTS = ["adam", "onebit_fixed", "onebit_auto", "onebit_auto_unbounded", "fp16", "powersgd"]
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -149,8 +149,10 @@ def _optimizer(variant, ddp, lr):
     from onebit_plugin.ddp_hook import register_onebit_hook
 
     if variant.startswith("onebit"):
-        opt = OneBitAdam(ddp.parameters(), lr=lr, total_steps=STEPS,
-                         freeze_step="auto" if variant == "onebit_auto" else FIXED_FREEZE)
+        # Skipped steps (inf/NaN gradients) are counted and reported, not fatal.
+        opt = OneBitAdam(ddp.parameters(), lr=lr, total_steps=STEPS, max_skipped_steps=STEPS + 1,
+                         freeze_step=FIXED_FREEZE if variant == "onebit_fixed" else "auto",
+                         bound_update=variant != "onebit_auto_unbounded")
         register_onebit_hook(ddp, opt)
         return opt
     if variant == "fp16":
@@ -190,6 +192,7 @@ def _rank(rank, world, port, workload, variant, seed, queue):
         result = {"val_loss": curve[-1][2], "bytes": sent, "curve": curve,
                   "seconds": time.perf_counter() - began,
                   "switch_step": getattr(opt, "switch_step", None),
+                  "skipped_steps": getattr(opt, "skipped_steps", 0),
                   "max_abs": {n: float(p.detach().abs().max())
                               for n, p in model.named_parameters()}}
         payload = io.BytesIO()
@@ -240,8 +243,9 @@ def run(workload, variant, seed, world=2) -> dict:
 # ----------------------------------------------------------------------------- report
 def summarize(rows: list[dict]) -> str:
     lines = ["| workload | variant | val loss vs Adam (mean, min..max over seeds) | bytes vs "
-             "Adam (fewer) | largest per-tensor max abs vs Adam | freeze step |",
-             "|---|---|---|---|---|---|"]
+             "Adam (fewer) | largest per-tensor max abs vs Adam | freeze step | steps skipped "
+             "(inf/NaN), per seed |",
+             "|---|---|---|---|---|---|---|"]
     for workload in WORKLOADS:
         adam = {r["seed"]: r for r in rows if r["workload"] == workload and r["variant"] == "adam"}
         for variant in VARIANTS:
@@ -256,7 +260,8 @@ def summarize(rows: list[dict]) -> str:
             lines.append(
                 f"| {workload} | {variant} | {statistics.mean(rel):+.2%} ({min(rel):+.2%}.."
                 f"{max(rel):+.2%}) | {fewer:.2f}x | {mag:.2f}x | "
-                f"{', '.join(map(str, freeze)) or '-'} |")
+                f"{', '.join(map(str, freeze)) or '-'} | "
+                f"{', '.join(str(r.get('skipped_steps', 0)) for r in mine)} |")
     return "\n".join(lines)
 
 

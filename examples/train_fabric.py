@@ -44,6 +44,9 @@ def main(argv=None) -> None:
     p.add_argument("--precision", default="32-true")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps")
     p.add_argument("--freeze-step", type=freeze_step_arg, default=60, help="an int, or auto")
+    p.add_argument("--no-bound", action="store_true",
+                   help="ablation: OneBitAdam(bound_update=False), compression-stage steps "
+                        "not bounded")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--context", type=int, default=64)
@@ -62,7 +65,7 @@ def main(argv=None) -> None:
     if args.optimizer == "onebit":
         optimizer = OneBitAdam(model.parameters(), lr=args.lr, weight_decay=0.01,
                                decoupled_weight_decay=True, freeze_step=args.freeze_step,
-                               total_steps=args.steps)
+                               total_steps=args.steps, bound_update=not args.no_bound)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     model, optimizer = fabric.setup(model, optimizer)

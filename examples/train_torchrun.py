@@ -50,7 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--no-mask", action="store_true", help="disable the zero-variance mask")
     p.add_argument("--baseline", action="store_true", help="uncompressed Adam instead")
     p.add_argument("--no-bound", action="store_true",
-                   help="ablation: compression-stage steps not bounded by Adam's largest")
+                   help="ablation: OneBitAdam(bound_update=False), compression-stage steps "
+                        "not bounded")
     p.add_argument("--exact-momentum", action="store_true",
                    help="ablation: freeze the variance but average the momentum exactly")
     p.add_argument("--eval-every", type=int, default=50)

@@ -23,7 +23,8 @@ Settings, all read from the environment when ``prepare()`` runs:
 * ``ONEBIT_MAX_BLOCK`` (default 2048), ``ONEBIT_SCALE`` (``rms``/``mean``),
   ``ONEBIT_OVERLAP`` (default 1; 0 compresses in ``optimizer.step()`` instead of inside
   backward), ``ONEBIT_TIMEOUT`` (seconds a compressed allreduce may take before the step
-  raises ``CommunicationError``).
+  raises ``CommunicationError``), ``ONEBIT_BOUND_UPDATE`` (default 1; 0 is
+  ``OneBitAdam(bound_update=False)``).
 
 Accelerate's YAML config rejects unknown keys and its ``kwargs_handlers`` reject unknown handler
 classes, which is why this is an environment flag read at ``prepare()``.
@@ -89,7 +90,7 @@ def _float(name: str) -> float | None:
 
 
 VARIABLES = ("ONEBIT_ADAM", "ONEBIT_FREEZE_STEP", "ONEBIT_TOTAL_STEPS", "ONEBIT_MAX_BLOCK",
-             "ONEBIT_SCALE", "ONEBIT_OVERLAP", "ONEBIT_TIMEOUT")
+             "ONEBIT_SCALE", "ONEBIT_OVERLAP", "ONEBIT_TIMEOUT", "ONEBIT_BOUND_UPDATE")
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class OneBitSettings:
     scale: str = "rms"
     overlap: bool = True
     timeout: float | None = None
+    bound_update: bool = True
 
     @classmethod
     def from_env(cls) -> OneBitSettings | None:
@@ -114,11 +116,13 @@ class OneBitSettings:
         settings = cls(
             freeze_step=("auto" if os.environ.get("ONEBIT_FREEZE_STEP", "").strip() == "auto"
                          else _int("ONEBIT_FREEZE_STEP", None)),
-            total_steps=_int("ONEBIT_TOTAL_STEPS", 0) or None,
+            total_steps=(_int("ONEBIT_TOTAL_STEPS", None)
+                         if os.environ.get("ONEBIT_TOTAL_STEPS", "").strip() else None),
             max_block=_int("ONEBIT_MAX_BLOCK", 2048),
             scale=os.environ.get("ONEBIT_SCALE", "rms"),
             overlap=_flag("ONEBIT_OVERLAP", "1"),
             timeout=_float("ONEBIT_TIMEOUT"),
+            bound_update=_flag("ONEBIT_BOUND_UPDATE", "1"),
         )
         if settings.freeze_step != "auto" and settings.freeze_step < 1:
             raise ValueError(f"ONEBIT_FREEZE_STEP must be >= 1 or auto, got "
@@ -161,7 +165,7 @@ def to_onebit_adam(optimizer: torch.optim.Optimizer, settings: OneBitSettings) -
         # A transformers.Trainer leaves its max_steps here (transformers_trainer).
         total_steps=settings.total_steps or getattr(optimizer, "onebit_total_steps", None),
         decoupled_weight_decay=decoupled, max_block=settings.max_block, scale=settings.scale,
-        comm_timeout=settings.timeout,
+        comm_timeout=settings.timeout, bound_update=settings.bound_update,
     )
 
 
@@ -291,8 +295,9 @@ class Accelerator(accelerate.Accelerator):
         when = (f"after step {opt.freeze_step}" if opt.auto_freeze is None else
                 "once the variance has settled (freeze_step=auto), at the latest after step "
                 f"{opt.auto_freeze.ceiling}" if opt.auto_freeze.ceiling else
-                "once the variance has settled (freeze_step=auto, no total steps known: maybe "
-                "never; set ONEBIT_TOTAL_STEPS)")
+                "once the variance has settled (freeze_step=auto; its ceiling, 20% of the run, "
+                "needs the run's length: a transformers.Trainer gives it, else set "
+                "ONEBIT_TOTAL_STEPS)")
         self.print(f"onebit: 1-bit Adam on: {type(opt).__name__} averages with the 1-bit hook "
                    f"(overlap={self.onebit_hook_state.overlap}); the momentum is exchanged as "
                    f"1-bit signs {when}")

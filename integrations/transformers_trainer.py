@@ -56,10 +56,14 @@ def patch_trainer(trainer_cls) -> None:
         @functools.wraps(create_scheduler)
         def create_scheduler_with_total(self, num_training_steps, optimizer=None, *args,
                                         **kwargs):
-            # The run's length, for freeze_step="auto": OneBitAdam replaces this optimizer
-            # in prepare(), which comes after (accelerate_flag.to_onebit_adam reads it).
+            # The run's length, for freeze_step="auto". The scheduler is made before prepare()
+            # (then to_onebit_adam reads the attribute from the optimizer it replaces) or,
+            # in transformers 5.x, after it (then the optimizer is OneBitAdam already).
             target = optimizer if optimizer is not None else self.optimizer
-            if target is not None:
+            inner = getattr(target, "optimizer", target)  # Accelerate's wrapper
+            if isinstance(inner, OneBitAdam):
+                inner.set_total_steps(int(num_training_steps))
+            elif target is not None:
                 target.onebit_total_steps = int(num_training_steps)
             return create_scheduler(self, num_training_steps, optimizer, *args, **kwargs)
 

@@ -61,14 +61,17 @@ def fold_gradient_(
 def frozen_update_(
     param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: float,
     frozen_step: float, *, lr: float, beta1: float, beta2: float, eps: float,
-    weight_decay: float, decoupled: bool, bounded: bool = True,
+    weight_decay: float, decoupled: bool, bounded: bool = False,
 ) -> None:
     """The compression-stage update: the averaged momentum over the variance frozen at
     ``frozen_step`` (its bias correction frozen with it). ``bounded``: the variance is taken as
     at least ``m_hat**2``, so each coordinate's ``m_hat / (sqrt(v_hat) + eps)`` is clamped to
     +-1 (``lr`` per step). A second moment is never below the square of a mean of the same
     gradients (Jensen); a variance frozen before a coordinate's gradients grew (a rare
-    embedding row, attention weights) breaks that, and would let the coordinate run away."""
+    embedding row, attention weights) breaks that, and would let the coordinate run away.
+    The clamp acts on each step's decoded momentum (``+-scale`` per coordinate, right only on
+    average through error feedback), so it also slows coordinates whose true step is inside
+    the bound; docs/design.md, "Bounded steps", measures what that costs."""
     p = _fp32(param)
     if weight_decay != 0 and decoupled:
         p.mul_(1 - lr * weight_decay)

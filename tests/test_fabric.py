@@ -40,8 +40,12 @@ def _fit(out: Path, *args: str) -> str:
 def test_fabric_strategy_compresses_and_resumes_bitwise(tmp_path):
     plain, onebit, resumed = tmp_path / "plain", tmp_path / "onebit", tmp_path / "resumed"
     _fit(plain, "--optimizer", "adamw")
-    _fit(onebit, "--save-at", "20")
-    _fit(resumed, "--resume", str(onebit / "checkpoint.ckpt"))
+    # The unbounded update (--no-bound): this test is about Fabric's wiring, and its loss check
+    # below was set for that update. With the default bound this 30-step run frozen at step 10
+    # ends 3.0% above AdamW (+0.35% unbounded): the cost docs/design.md, "Bounded steps",
+    # reports; benchmarks/fidelity.py measures the default over 3 workloads x 3 seeds.
+    _fit(onebit, "--save-at", "20", "--no-bound")
+    _fit(resumed, "--resume", str(onebit / "checkpoint.ckpt"), "--no-bound")
     summary = json.loads((onebit / "summary.json").read_text())
     reference = json.loads((plain / "summary.json").read_text())
     assert summary["optimizer"] == "OneBitAdam" and summary["switch_step"] == 10
