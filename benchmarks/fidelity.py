@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import os
 import re
 import socket
@@ -275,12 +276,15 @@ def plot(rows: list[dict], path: Path) -> None:
     for ax, workload in zip(axes, WORKLOADS, strict=True):
         for variant in VARIANTS:
             mine = [r for r in rows if r["workload"] == workload and r["variant"] == variant]
-            if not mine:
-                continue
+            finals = [r["val_loss"] for r in mine]
+            adam = [r["val_loss"] for r in rows if r["workload"] == workload and
+                    r["variant"] == "adam"]
+            if not mine or not all(math.isfinite(v) and v < 2 * max(adam) for v in finals):
+                continue  # diverged: in the table, off the plot
             steps = len(mine[0]["curve"])
             mb = [statistics.mean(r["curve"][i][1] for r in mine) / 2**20 for i in range(steps)]
             loss = [statistics.mean(r["curve"][i][2] for r in mine) for i in range(steps)]
-            ax.plot(mb, loss, marker="o", label=variant)
+            ax.plot(mb, loss, marker="o", label=variant, color=f"C{VARIANTS.index(variant)}")
         ax.set_xscale("log")
         ax.set_xlabel("MiB written per rank (/proc/self/io)")
         ax.set_ylabel("validation loss (mean of seeds)")
