@@ -85,7 +85,7 @@ def _exact_reference(rank):
             local.div_(world).masked_fill_(v == 0, 0.0)  # never-seen coordinates stay masked
             m.copy_(local)
             frozen_update_(p.data, m, v, step, FREEZE, lr=LR, beta1=0.9, beta2=0.999,
-                           eps=1e-8, weight_decay=0.01, decoupled=False)
+                           eps=1e-8, weight_decay=0.01, decoupled=False, bounded=True)
     return [p.detach().clone() for p in params]
 
 
