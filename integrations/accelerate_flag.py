@@ -78,7 +78,8 @@ def _int(name: str, default: int | None) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+        also = " or auto" if name == "ONEBIT_FREEZE_STEP" else ""
+        raise ValueError(f"{name} must be an integer{also}, got {raw!r}") from None
 
 
 def _float(name: str) -> float | None:

@@ -26,7 +26,7 @@ FIRST_CHECK = 16
 # half of the steps so far: the paper's premise that the variance has become stable.
 SETTLED = 0.10
 NEW_COORDINATES = 1e-3
-# 20% of the run at most: then the whole run sends at most 0.2 + 0.8/30 of Adam's bytes (4.4x
+# 20% of the run at most: then the whole run sends about 0.2 + 0.8/30 of Adam's bytes (4.4x
 # fewer), inside the paper's 15-25% (docs/benchmarks.md measures the loss at this point).
 CEILING = 0.20
 _CHECKS = sorted({round(FIRST_CHECK * 2 ** (k / 2)) for k in range(80)})

@@ -501,14 +501,17 @@ class OneBitAdam(Optimizer):
     def _freeze_now(self, applied: int) -> bool:
         if self.auto_freeze is None:
             return applied >= self.freeze_step
+        rank = group_size_and_rank(self.process_group)[1]
         if self.auto_freeze.total_steps is None and not self._said_no_ceiling:
             self._said_no_ceiling = True
-            log.warning("onebit: freeze_step='auto' without total_steps: the variance freezes "
-                        "only once it has settled, which on a short run may be never (all of it "
-                        "uncompressed Adam); pass OneBitAdam(total_steps=...) (ONEBIT_TOTAL_STEPS "
-                        "for the Accelerate flag) to freeze at 20%% of the run at the latest")
+            if rank == 0:  # said once per job, like the freeze itself
+                log.warning("onebit: freeze_step='auto' without total_steps: the variance freezes "
+                            "only once it has settled, which on a short run may be never (all of "
+                            "it uncompressed Adam); pass OneBitAdam(total_steps=...) "
+                            "(ONEBIT_TOTAL_STEPS for the Accelerate flag) to freeze at 20% of the "
+                            "run at the latest")
         reason = self.auto_freeze.observe(applied, self._roots_now, negligible_root)
-        if reason is not None and group_size_and_rank(self.process_group)[1] == 0:
+        if reason is not None and rank == 0:
             log.warning("onebit: freeze_step='auto' froze the variance after step %d: %s",
                         applied, reason)
         return reason is not None

@@ -190,7 +190,7 @@ def test_survivor_exits_when_its_peer_hangs(tmp_path):
 @pytest.mark.parametrize("env,message", [
     ({"ONEBIT_MAXBLOCK": "1024"}, "unknown setting(s) ONEBIT_MAXBLOCK"),
     ({"ONEBIT_FREEZE_STEP": "0"}, "ONEBIT_FREEZE_STEP must be >= 1 or auto, got 0"),
-    ({"ONEBIT_FREEZE_STEP": "soon"}, "ONEBIT_FREEZE_STEP must be an integer, got 'soon'"),
+    ({"ONEBIT_FREEZE_STEP": "soon"}, "ONEBIT_FREEZE_STEP must be an integer or auto, got 'soon'"),
     ({"ONEBIT_FREEZE_STEP": "auto", "ONEBIT_TOTAL_STEPS": "0"},
      "ONEBIT_TOTAL_STEPS must be >= 1, got 0"),
     ({"ONEBIT_SCALE": "rsm"}, "ONEBIT_SCALE must be one of ('rms', 'mean'), got 'rsm'"),
