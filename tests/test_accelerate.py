@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.client_runs import median_bytes_per_step
+from tests.client_runs import accelerate_launch, median_bytes_per_step
 from tests.dist_helpers import assert_ranks_identical
 from tests.procs import owned_processes
 
@@ -33,9 +33,8 @@ ON = {"ONEBIT_ADAM": "1", "ONEBIT_FREEZE_STEP": "10"}
 def _launch(out: Path, env: dict, *args: str, check: bool = True, launcher: bool = True):
     """``accelerate launch`` of the example; with ``ONEBIT_ADAM=1`` in ``env`` under
     ``onebit-run`` (the unmodified script), unless ``launcher=False`` (the explicit import)."""
-    cmd = [str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
-           "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT),
-           "--steps", "30", "--accumulate", "2", "--clip", "1.0", "--out", str(out), *args]
+    cmd = [*accelerate_launch(ACCELERATE.parent), str(SCRIPT), "--steps", "30", "--accumulate",
+           "2", "--clip", "1.0", "--out", str(out), *args]
     if launcher and env.get("ONEBIT_ADAM") == "1":
         cmd = [str(ONEBIT_RUN), *cmd]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("ONEBIT_")}
@@ -63,27 +62,38 @@ def _ranks(out: Path) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
+@pytest.fixture(scope="module")
+def joint_run(tmp_path_factory):
+    """The unmodified script under `onebit-run`, prepare() given the model and the optimizer
+    together: 30 uninterrupted steps, frozen at 10."""
+    out = tmp_path_factory.mktemp("joint")
+    _launch(out, ON, "--wire-out", str(out / "wire"))
+    return out
+
+
 @pytest.mark.parametrize("prepare", ["joint", "separate"])
-def test_unmodified_script_under_onebit_run(plain_run, tmp_path, prepare):
+def test_unmodified_script_under_onebit_run(plain_run, joint_run, tmp_path, prepare):
     """`onebit-run accelerate launch` of a script that imports nothing of onebit_plugin:
     AdamW (with a warm-up schedule from lr 0) becomes OneBitAdam and the hook is registered,
     whether prepare() gets the model and the optimizer together or one at a time; in the
     compression stage each rank writes at least 25x fewer bytes per step than under plain
     DDP + AdamW (counted by the kernel, not by the package), the ranks stay identical and the
     loss is that of the plain run."""
-    args = ["--wire-out", str(tmp_path / "wire")]
-    _launch(tmp_path, ON, *args, *(["--separate-prepare"] if prepare == "separate" else []))
-    ranks = _ranks(tmp_path)
+    out = joint_run
+    if prepare == "separate":
+        out = tmp_path
+        _launch(out, ON, "--wire-out", str(out / "wire"), "--separate-prepare")
+    ranks = _ranks(out)
     assert_ranks_identical([r["params"] for r in ranks], "parameters")
     assert ranks[0]["optimizer"] == "OneBitAdam" and ranks[0]["stage"] == "compression"
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
     plain = json.loads((plain_run / "summary.json").read_text())
     assert summary["switch_step"] == 10 and summary["steps"] == 30
     # The LR schedule (from lr 0) drives OneBitAdam, also when the scheduler was built on the
     # original AdamW and never passed to prepare().
     assert summary["lr_of_optimizer"] == summary["lr_of_scheduler"] > 0
     compression = range(12, 31)  # step 11 also builds the units
-    ours = median_bytes_per_step(tmp_path, compression)
+    ours = median_bytes_per_step(out, compression)
     dense = median_bytes_per_step(plain_run, compression)
     ratio = dense / ours
     print(f"{prepare} prepare: median bytes written per compression-stage step "
@@ -93,15 +103,14 @@ def test_unmodified_script_under_onebit_run(plain_run, tmp_path, prepare):
     assert summary["val_loss"] <= plain["val_loss"] * 1.02, (summary, plain)
 
 
-def test_save_load_state_continues_the_uninterrupted_run_bitwise(tmp_path):
+def test_save_load_state_continues_the_uninterrupted_run_bitwise(joint_run, tmp_path):
     """save_state at step 20 (compression stage), load_state into a fresh model, optimizer and
     Accelerator, continue to 30: the same parameters as 30 uninterrupted steps."""
-    # The straight run takes the explicit route (no launcher, Accelerator imported from
-    # onebit_plugin), the resumed one onebit-run: the same training, bit for bit.
-    _launch(tmp_path / "straight", ON, "--explicit-import", launcher=False)
-    _launch(tmp_path / "resumed", ON, "--save-at", "20")
-    straight, resumed = _ranks(tmp_path / "straight"), _ranks(tmp_path / "resumed")
-    assert sorted(p.name for p in (tmp_path / "resumed" / "state").glob("onebit_rank*")) == [
+    # The resumed run takes the explicit route (no launcher, Accelerator imported from
+    # onebit_plugin), the uninterrupted one onebit-run: the same training, bit for bit.
+    _launch(tmp_path, ON, "--save-at", "20", "--explicit-import", launcher=False)
+    straight, resumed = _ranks(joint_run), _ranks(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "state").glob("onebit_rank*")) == [
         "onebit_rank0.pt", "onebit_rank1.pt"]
     for a, b in zip(straight, resumed, strict=True):
         for x, y in zip(a["params"], b["params"], strict=True):
@@ -118,14 +127,20 @@ def test_flag_off_is_plain_accelerate(plain_run, tmp_path):
 
 
 def test_flag_without_freeze_step_is_a_clear_error(tmp_path):
-    proc = _launch(tmp_path, {"ONEBIT_ADAM": "1"}, "--explicit-import", check=False,
-                   launcher=False)
-    assert proc.returncode != 0
-    assert "ONEBIT_ADAM=1 needs ONEBIT_FREEZE_STEP" in proc.stderr
+    """Both routes refuse to start without the freeze step: the explicit import (one process:
+    the check runs in Accelerator() on every rank alike) and the launcher."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ONEBIT_")}
-    proc = subprocess.run([str(ONEBIT_RUN), "true"], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 2 and "ONEBIT_ADAM=1 needs ONEBIT_FREEZE_STEP" in proc.stderr
+    env.update(ACCELERATE_USE_CPU="true", ONEBIT_ADAM="1")
+    with owned_processes() as start:
+        for cmd, code in [
+            ([sys.executable, str(SCRIPT), "--explicit-import", "--out", str(tmp_path)], 1),
+            ([str(ONEBIT_RUN), "true"], 2),
+        ]:
+            proc = start(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+            _, stderr = proc.communicate(timeout=120)
+            assert proc.returncode == code, stderr[-3000:]
+            assert "ONEBIT_ADAM=1 needs ONEBIT_FREEZE_STEP" in stderr, stderr[-3000:]
 
 
 def test_conversion_keeps_hyperparameters_and_scheduler():
@@ -168,9 +183,8 @@ def test_survivor_exits_when_its_peer_hangs(tmp_path):
     """ONEBIT_TIMEOUT=3: process 1 hangs at step 20; process 0 raises CommunicationError and
     ends, torchrun (under accelerate launch) ends the hung one, the launch fails."""
     log = tmp_path / "log.txt"
-    cmd = [str(ONEBIT_RUN), str(ACCELERATE), "launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           str(SCRIPT), "--steps", "40", "--hang-at", "20", "--out", str(tmp_path)]
+    cmd = [str(ONEBIT_RUN), *accelerate_launch(ACCELERATE.parent), str(SCRIPT), "--steps", "40",
+           "--hang-at", "20", "--out", str(tmp_path)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("ONEBIT_")}
     env.update(ACCELERATE_USE_CPU="true", ONEBIT_ADAM="1", ONEBIT_FREEZE_STEP="10",
                ONEBIT_TIMEOUT="3")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.client_runs import median_bytes_per_step, rank_params
+from tests.client_runs import accelerate_launch, median_bytes_per_step, rank_params
 from tests.dist_helpers import assert_ranks_identical
 from tests.procs import owned_processes
 
@@ -23,9 +23,7 @@ STEPS, FREEZE = 80, 20  # the freeze after the LR warm-up (10 steps), 25% of the
 
 
 def _launch(out: Path, onebit: bool, *args: str) -> str:
-    cmd = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           str(SCRIPT), "--steps", str(STEPS), "--out", str(out), *args]
+    cmd = [*accelerate_launch(BIN), str(SCRIPT), "--steps", str(STEPS), "--out", str(out), *args]
     if onebit:
         cmd = [str(BIN / "onebit-run"), "--freeze-step", str(FREEZE), *cmd]
     env = {k: v for k, v in os.environ.items() if not k.startswith("ONEBIT_")}
