@@ -46,7 +46,26 @@ from wire import written  # noqa: E402
 
 STEPS = 240
 FIXED_FREEZE = 40  # 17% of the run, inside the paper's 15-25%
-VARIANTS = ["adam", "onebit_fixed", "onebit_auto", "onebit_auto_unbounded", "fp16", "powersgd"]
+CLIP = 1.0  # clip_grad_norm_'s max_norm in the *_clip variants (transformers' default)
+VARIANTS = ["adam", "onebit_fixed", "onebit_auto", "onebit_auto_unbounded", "fp16", "powersgd",
+            # Clipping: each compared with Adam + the same clipping of the averaged gradient.
+            "adam_clip", "onebit_auto_clip", "onebit_auto_clip_momentum"]
+
+
+def reference(variant: str) -> str:
+    """The Adam run a variant is compared with."""
+    return "adam_clip" if "clip" in variant else "adam"
+
+
+def _clip(variant, ddp, opt) -> float | None:
+    """Clip as the variant says; the norm it clipped by (None: no clipping)."""
+    if variant == "onebit_auto_clip":
+        return float(opt.clip_grad_norm_(CLIP))
+    if variant in ("adam_clip", "onebit_auto_clip_momentum"):
+        # The latter is torch's clipping of p.grad, which in 1-bit Adam's compression stage
+        # holds the averaged momentum: what clipping did before OneBitAdam.clip_grad_norm_.
+        return float(nn.utils.clip_grad_norm_(ddp.parameters(), CLIP))
+    return None
 
 
 # ----------------------------------------------------------------------------- workloads
@@ -180,17 +199,19 @@ def _rank(rank, world, port, workload, variant, seed, queue):
         ddp = DDP(model, bucket_cap_mb=1000) if variant == "powersgd" else DDP(model)
         opt = _optimizer(variant, ddp, work.lr)
         gen = torch.Generator().manual_seed(1000 * seed + rank)  # each rank its own batches
-        curve = []
+        curve, clipped = [], 0
         start, began = written(), time.perf_counter()
         for step in range(1, STEPS + 1):
             batch = work.batch_of(gen)
             opt.zero_grad()
             work.loss(ddp, batch).backward()
+            norm = _clip(variant, ddp, opt)
+            clipped += norm is not None and norm > CLIP
             opt.step()
             if step % 40 == 0:
                 curve.append((step, written() - start, work.val_loss(model)))
         sent = written() - start
-        result = {"val_loss": curve[-1][2], "bytes": sent, "curve": curve,
+        result = {"val_loss": curve[-1][2], "bytes": sent, "curve": curve, "clipped": clipped,
                   "seconds": time.perf_counter() - began,
                   "switch_step": getattr(opt, "switch_step", None),
                   "skipped_steps": getattr(opt, "skipped_steps", 0),
@@ -245,13 +266,14 @@ def run(workload, variant, seed, world=2) -> dict:
 def summarize(rows: list[dict]) -> str:
     lines = ["| workload | variant | val loss vs Adam (mean, min..max over seeds) | bytes vs "
              "Adam (fewer) | largest per-tensor max abs vs Adam | freeze step | steps skipped "
-             "(inf/NaN), per seed |",
-             "|---|---|---|---|---|---|---|"]
+             "(inf/NaN), per seed | steps clipped, per seed |",
+             "|---|---|---|---|---|---|---|---|"]
     for workload in WORKLOADS:
-        adam = {r["seed"]: r for r in rows if r["workload"] == workload and r["variant"] == "adam"}
         for variant in VARIANTS:
+            adam = {r["seed"]: r for r in rows
+                    if r["workload"] == workload and r["variant"] == reference(variant)}
             mine = [r for r in rows if r["workload"] == workload and r["variant"] == variant]
-            if not mine:
+            if not mine or not adam:
                 continue
             rel = [r["val_loss"] / adam[r["seed"]]["val_loss"] - 1 for r in mine]
             fewer = statistics.mean(adam[r["seed"]]["bytes"] / r["bytes"] for r in mine)
@@ -262,7 +284,9 @@ def summarize(rows: list[dict]) -> str:
                 f"| {workload} | {variant} | {statistics.mean(rel):+.2%} ({min(rel):+.2%}.."
                 f"{max(rel):+.2%}) | {fewer:.2f}x | {mag:.2f}x | "
                 f"{', '.join(map(str, freeze)) or '-'} | "
-                f"{', '.join(str(r.get('skipped_steps', 0)) for r in mine)} |")
+                f"{', '.join(str(r.get('skipped_steps', 0)) for r in mine)} | "
+                f"{', '.join(str(r.get('clipped', 0)) for r in mine) if 'clip' in variant else '-'}"
+                " |")
     return "\n".join(lines)
 
 
@@ -278,13 +302,15 @@ def plot(rows: list[dict], path: Path) -> None:
             mine = [r for r in rows if r["workload"] == workload and r["variant"] == variant]
             finals = [r["val_loss"] for r in mine]
             adam = [r["val_loss"] for r in rows if r["workload"] == workload and
-                    r["variant"] == "adam"]
-            if not mine or not all(math.isfinite(v) and v < 2 * max(adam) for v in finals):
+                    r["variant"] == reference(variant)]
+            if not mine or not adam or \
+                    not all(math.isfinite(v) and v < 2 * max(adam) for v in finals):
                 continue  # diverged: in the table, off the plot
             steps = len(mine[0]["curve"])
             mb = [statistics.mean(r["curve"][i][1] for r in mine) / 2**20 for i in range(steps)]
             loss = [statistics.mean(r["curve"][i][2] for r in mine) for i in range(steps)]
-            ax.plot(mb, loss, marker="o", label=variant, color=f"C{VARIANTS.index(variant)}")
+            ax.plot(mb, loss, marker="o", label=variant, color=f"C{VARIANTS.index(variant)}",
+                    linestyle="--" if "clip" in variant else "-")
         ax.set_xscale("log")
         ax.set_xlabel("MiB written per rank (/proc/self/io)")
         ax.set_ylabel("validation loss (mean of seeds)")

@@ -303,6 +303,20 @@ class Accelerator(accelerate.Accelerator):
                    f"(overlap={self.onebit_hook_state.overlap}); the momentum is exchanged as "
                    f"1-bit signs {when}")
 
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """``accelerate.Accelerator.clip_grad_norm_``; for the paired OneBitAdam's parameters,
+        ``OneBitAdam.clip_grad_norm_`` (in the compression stage ``p.grad`` holds the averaged
+        momentum, and torch's clipping would clip that)."""
+        optimizers = self._onebit_optimizers()
+        if len(optimizers) != 1:  # none (flag off), or more than the flag handles
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        return optimizers[0].clip_grad_norm_(max_norm, norm_type, params=parameters)
+
+    def clip_grad_value_(self, parameters, clip_value):
+        for optimizer in self._onebit_optimizers():
+            optimizer.clip_grad_value_(clip_value)  # raises
+        return super().clip_grad_value_(parameters, clip_value)
+
     def backward(self, loss, **kwargs):
         if self.onebit is not None and self.onebit_hook_state is None and not self._said_idle \
                 and self._onebit_models:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
+import torch
+
 from onebit_plugin.ddp_hook import register_onebit_hook
 from onebit_plugin.integrations.rank_states import own_rank_state, with_rank_states
 from onebit_plugin.optimizer import OneBitAdam
@@ -92,6 +94,25 @@ def make_fabric_strategy_class(fabric, module: str):
                                                    overlap=self.overlap)
             log.info("onebit: Fabric strategy onebit_adam, freeze_step=%s, overlap=%s",
                      self._optimizer.freeze_step, self.hook_state.overlap)
+
+        def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0,
+                                error_if_nonfinite=True):
+            """``OneBitAdam.clip_grad_norm_``: in the compression stage ``p.grad`` holds the
+            averaged momentum, which torch's clipping would clip."""
+            if not isinstance(optimizer, OneBitAdam):
+                return super().clip_gradients_norm(module, optimizer, max_norm, norm_type,
+                                                   error_if_nonfinite)
+            norm = optimizer.clip_grad_norm_(max_norm, norm_type,
+                                             params=self.precision.main_params(optimizer))
+            if error_if_nonfinite and not torch.isfinite(norm):
+                raise RuntimeError(f"the total norm of the gradients is {float(norm)}: not finite "
+                                   "(error_if_nonfinite=True)")
+            return norm
+
+        def clip_gradients_value(self, module, optimizer, clip_val):
+            if isinstance(optimizer, OneBitAdam):
+                optimizer.clip_grad_value_(clip_val)  # raises: no 1-bit counterpart
+            return super().clip_gradients_value(module, optimizer, clip_val)
 
         def get_optimizer_state(self, optimizer) -> dict:
             """Every rank's own error buffers under ``onebit_ranks`` (Fabric writes the

@@ -20,6 +20,31 @@ log = logging.getLogger("onebit_plugin")
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 
 
+def route_clipping(precision_plugin) -> None:
+    """``gradient_clip_val`` reaches OneBitAdam.clip_grad_norm_ (in the compression stage
+    ``p.grad`` holds the averaged momentum, which the precision plugin's torch clipping would
+    clip); by value it is a clear error. Lightning clips through its precision plugin, whatever
+    its class, so these two methods are replaced on this strategy's instance."""
+    by_norm, by_value = precision_plugin.clip_grad_by_norm, precision_plugin.clip_grad_by_value
+
+    def clip_grad_by_norm(optimizer, clip_val):
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        if not isinstance(inner, OneBitAdam):
+            return by_norm(optimizer, clip_val)
+        inner.clip_grad_norm_(clip_val, params=precision_plugin.main_params(optimizer))
+
+    def clip_grad_by_value(optimizer, clip_val):
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        if not isinstance(inner, OneBitAdam):
+            return by_value(optimizer, clip_val)
+        inner.clip_grad_value_(clip_val)  # raises: no 1-bit counterpart
+
+    if not getattr(by_norm, "_onebit", False):
+        clip_grad_by_norm._onebit = True
+        precision_plugin.clip_grad_by_norm = clip_grad_by_norm
+        precision_plugin.clip_grad_by_value = clip_grad_by_value
+
+
 def make_strategy_class(pl, callback_cls, module: str):
     """The strategy of one Lightning namespace (``pytorch_lightning`` or ``lightning.pytorch``,
     each with its own ``DDPStrategy``), to be bound at the top level of ``module`` (so that it
@@ -52,11 +77,10 @@ def make_strategy_class(pl, callback_cls, module: str):
                 ``bucket_cap_mb``, ``timeout``, ``start_method``, ...). ``ddp_comm_hook``,
                 ``ddp_comm_state`` and ``ddp_comm_wrapper`` are taken by the 1-bit hook.
 
-        Gradient clipping (``gradient_clip_val``): in warm-up it clips the averaged gradient, as
-        with DDP. In the compression stage the gradient is local to each rank and is folded
-        into the momentum during backward, so clipping applies to the averaged momentum that
-        ``step()`` is about to apply (the same global norm on every rank, so ranks stay
-        identical).
+        Gradient clipping (``gradient_clip_val``) goes through ``OneBitAdam.clip_grad_norm_``:
+        in warm-up it clips the averaged gradient, as with DDP; in the compression stage it
+        scales the gradient inside the averaged momentum by ``max_norm`` over the mean of the
+        ranks' local gradient norms (the same on every rank). Clipping by value is an error.
 
         Checkpoints hold every rank's own error buffers (``onebit_ranks`` beside rank 0's
         optimizer state) and each rank loads its own on resume, so a run resumed in either stage
@@ -149,6 +173,7 @@ def make_strategy_class(pl, callback_cls, module: str):
                 self.model, optimizers[0], overlap=self.overlap,
                 record_timeline=self.record_timeline,
             )
+            route_clipping(self.precision_plugin)
             if not self.hook_state.overlap:
                 log.info("onebit: compressed allreduce runs in optimizer.step() (no overlap)")
 

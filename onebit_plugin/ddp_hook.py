@@ -9,8 +9,10 @@ optimizer's stage, the way torch's ``PowerSGDState.start_powerSGD_iter`` switche
   the optimizer's momentum unit that holds it; as soon as every gradient of a unit is in, the
   unit is averaged on the process group's background thread while backward goes on. The
   averaged momentum comes back as the bucket's "gradient" and ``OneBitAdam.step()`` takes it
-  from ``p.grad``: gradient clipping between backward and ``step()`` therefore clips the
-  averaged momentum (the same tensor on every rank, so ranks stay identical).
+  from ``p.grad``. Gradient clipping must therefore go through
+  ``OneBitAdam.clip_grad_norm_``, which clips the gradient inside the momentum using the local
+  gradients' norms the hook noted; torch's ``clip_grad_norm_`` on ``p.grad`` would clip the
+  momentum itself (``step()`` says so once).
 
 With ``overlap=False`` the compression-stage hook passes the local gradients through and
 ``step()`` folds and averages the same units itself: the same numbers, without the overlap.
@@ -136,6 +138,7 @@ def onebit_hook(
     waits = []
     for p, grad in pairs:
         unit = opt.unit_of(p)
+        opt.note_local_gradient(p, grad)  # for clip_grad_norm_: p.grad will hold the average
         unit.fold_(p, grad)
         pending = state.arrived(unit)
         if all(pending is not w for w in waits):

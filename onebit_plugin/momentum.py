@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from onebit_plugin.update import fold_gradient_
+from onebit_plugin.update import clip_folded_, fold_gradient_
 
 __all__ = ["MomentumUnit", "partition"]
 
@@ -46,7 +46,7 @@ class MomentumUnit:
         comm: the communicator whose plan (layout, mask) and error buffers the unit keeps.
     """
 
-    __slots__ = ("params", "offsets", "hypers", "momentum", "local", "plan", "errors")
+    __slots__ = ("params", "offsets", "hypers", "momentum", "local", "plan", "errors", "masked")
 
     def __init__(self, params, momenta, keeps, hypers, comm):
         self.params = list(params)
@@ -60,7 +60,9 @@ class MomentumUnit:
             self.momentum[offset : offset + p.numel()].copy_(m.reshape(-1))
             offset += p.numel()
         keep = torch.cat([k.reshape(-1) for k in keeps])
-        self.momentum.masked_fill_(keep.logical_not(), 0.0)
+        masked = keep.logical_not()
+        self.momentum.masked_fill_(masked, 0.0)
+        self.masked = masked if bool(masked.any()) else None  # for clip_
         # Gradients are folded into this copy; the average replaces it in place, and reaches
         # the momentum only once every unit of the step came back finite.
         self.local = torch.empty_like(self.momentum)
@@ -79,6 +81,15 @@ class MomentumUnit:
         fold_gradient_(self.view(p), grad, p, beta1=hyper["betas"][0],
                        weight_decay=hyper["weight_decay"],
                        decoupled=hyper["decoupled_weight_decay"], out=self.view(p, self.local))
+
+    def clip_(self, p: torch.Tensor, averaged: torch.Tensor, coef: float) -> None:
+        """Clip the gradient inside ``p``'s averaged fold (``averaged``, shaped like ``p``) by
+        ``coef``, before it replaces the momentum; masked coordinates stay at zero."""
+        hyper = self.hypers[p]
+        clip_folded_(averaged, self.view(p), p, coef, beta1=hyper["betas"][0],
+                     weight_decay=hyper["weight_decay"], decoupled=hyper["decoupled_weight_decay"])
+        if self.masked is not None and hyper["weight_decay"] != 0:
+            averaged.masked_fill_(self.view(p, self.masked), 0.0)
 
     def reduce_(self, comm) -> bool:
         """Average the local momentum in place, now; False when some rank's was not finite."""

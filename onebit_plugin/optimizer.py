@@ -199,6 +199,10 @@ class OneBitAdam(Optimizer):
         self._grad_flat: torch.Tensor | None = None
         self._settings_checked = False
         self._hook_params: set | None = None  # what the DDP hook averages, once registered
+        self._local_norms: dict = {}  # param: norm of the local gradient the hook folded
+        self._clip_coef: float | None = None  # set by clip_grad_norm_ for this step
+        self._grads_averaged = False  # by clip_grad_norm_ in warm-up, before step()
+        self._said_grad_changed = False
         # Set when the first step's gradients were already identical on every rank (below).
         self.averaged_elsewhere = False
 
@@ -297,6 +301,84 @@ class OneBitAdam(Optimizer):
         ``step()`` then takes its momentum from ``p.grad`` (clipping included)."""
         self._averaged[unit] = ok
 
+    def note_local_gradient(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """The DDP hook is about to fold ``p``'s local gradient in the compression stage: its
+        norm is kept for :meth:`clip_grad_norm_`, since ``p.grad`` will hold the averaged
+        momentum before anyone can clip it."""
+        self._local_norms[p] = torch.linalg.vector_norm(grad, dtype=torch.float32)
+
+    # ------------------------------------------------------------------------------- clipping
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        params: Iterable[torch.Tensor] | None = None) -> torch.Tensor:
+        """Clip the averaged gradient's 2-norm to ``max_norm`` for the coming ``step()``, as
+        ``torch.nn.utils.clip_grad_norm_`` does for Adam under DDP; call it between backward and
+        ``step()`` instead of torch's (the integrations do). Returns the total norm.
+
+        Warm-up: the averaged gradients are clipped (averaged here first when OneBitAdam
+        averages them itself), exactly torch's clipping. Compression stage: no rank has the
+        averaged gradient, only its local one, already folded into the momentum by the DDP hook.
+        Every rank takes the same coefficient ``max_norm / norm`` with ``norm`` the mean of the
+        ranks' local gradient norms (one scalar allreduce), an upper bound of the averaged
+        gradient's norm (triangle inequality), and ``step()`` scales the gradient inside the
+        averaged momentum by it: the momentum Adam would have after clipping with that norm,
+        identical on every rank. With noisy gradients the mean local norm exceeds the averaged
+        gradient's (by up to sqrt(world size)), so clipping acts somewhat earlier than under DDP
+        (docs/design.md, "Clipping").
+
+        ``params``, when given, must be the optimizer's trainable parameters (a clip over a
+        subset has no compression-stage counterpart)."""
+        if norm_type != 2.0:
+            raise ValueError(f"OneBitAdam.clip_grad_norm_ clips by the 2-norm; got norm_type="
+                             f"{norm_type!r}")
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
+        trainable = self._trainable()
+        if params is not None:
+            given = {p for p in params if p.requires_grad}
+            if given != set(trainable):
+                raise ValueError(
+                    f"OneBitAdam.clip_grad_norm_ clips all of the optimizer's {len(trainable)} "
+                    f"trainable parameters together; {len(given)} were given, "
+                    f"{len(given - set(trainable))} of them not the optimizer's: in the "
+                    "compression stage only the whole gradient's norm can be clipped")
+        device = trainable[0].device if trainable else torch.device("cpu")
+        if self.switch_step is None:
+            if self.average_grads and self.world_size > 1 and not self._grads_averaged:
+                self._average_gradients()
+                self._grads_averaged = True
+            grads = [p.grad for p in trainable if p.grad is not None]
+            if not grads:
+                return torch.zeros((), device=device)
+            return torch.nn.utils.clip_grad_norm_(trainable, max_norm)
+        # Per parameter, in the same order on every path: the same bits whoever folded.
+        norms = [self._local_norms[p] if p in self._local_norms
+                 else torch.linalg.vector_norm(p.grad, dtype=torch.float32)
+                 for p in trainable if p in self._local_norms or p.grad is not None]
+        local = (torch.linalg.vector_norm(torch.stack(norms)) if norms
+                 else torch.zeros((), device=device)).reshape(1)
+        if self.world_size > 1:
+            work = dist.all_reduce(local, group=self.comm_group, async_op=True)
+            wait_collectives([work], self.comm_timeout, "the clipping norm's allreduce",
+                             self.comm_group)
+            local /= self.world_size
+        norm = float(local)
+        # Non-finite: step() skips this step on every rank anyway.
+        self._clip_coef = min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(norm) else None
+        return local.reshape(())
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Always a ``ValueError``: clamping the averaged gradient's coordinates has no
+        compression-stage counterpart (no rank holds that gradient, and clamping is not linear,
+        so it cannot be applied inside the averaged momentum as :meth:`clip_grad_norm_` is).
+        The integrations raise it where a user asks for clipping by value."""
+        raise ValueError(
+            f"gradient clipping by value ({clip_value!r}) has no 1-bit Adam counterpart: in the "
+            "compression stage no rank holds the averaged gradient whose coordinates it would "
+            "clamp. Clip by norm instead (Lightning: gradient_clip_algorithm='norm'; Fabric: "
+            "clip_gradients(max_norm=...); Accelerate: accelerator.clip_grad_norm_; your own "
+            "loop: optimizer.clip_grad_norm_)")
+
     def _trainable(self) -> list[torch.Tensor]:
         # Fixed order, the same on every rank: the units are cut from it.
         return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
@@ -327,13 +409,15 @@ class OneBitAdam(Optimizer):
             self._check_ranks_agree()
         self._settings_checked = True
         if self.switch_step is None:
-            if self.average_grads and self.world_size > 1:
+            if self.average_grads and self.world_size > 1 and not self._grads_averaged:
                 self._average_gradients()
+            self._grads_averaged = False
             self._warmup_step()
             if self._freeze_now(self.global_step - self.skipped_steps):  # applied steps
                 self._freeze()
         else:
             self._compression_step()
+        self._local_norms, self._clip_coef = {}, None
         return loss
 
     def _check_trainable(self, trainable: list[torch.Tensor]) -> None:
@@ -402,7 +486,7 @@ class OneBitAdam(Optimizer):
         its own data, so identical fingerprints on every rank mean that something averaged them
         before ``step()``."""
         out = torch.zeros(2, dtype=torch.float64)
-        if self._hook_params is not None:
+        if self._hook_params is not None or self._grads_averaged:  # by clip_grad_norm_
             return out
         grads = [p.grad.detach().double() for p in params if p.grad is not None]
         if grads:  # the first step only: one host sync for the whole check
@@ -442,6 +526,16 @@ class OneBitAdam(Optimizer):
                 state["step"] += 1
                 adam_update_(p, p.grad, state["exp_avg"], state["exp_avg_sq"],
                              state["step"].item(), **hyper)
+
+    def _say_grad_changed(self) -> None:
+        self._said_grad_changed = True
+        log.warning(
+            "onebit: in the compression stage p.grad holds the averaged momentum (the DDP hook "
+            "folded the local gradients into it during backward), and something changed it "
+            "before step(): torch.nn.utils.clip_grad_norm_ or clip_grad_value_ there clips the "
+            "momentum, not the gradient (measured: far worse loss than Adam with clipping). "
+            "Call optimizer.clip_grad_norm_(max_norm) instead (the Lightning and Fabric "
+            "strategies and onebit-run's Accelerator do); the changed momentum is used as given")
 
     def _skip(self) -> None:
         """A step skipped on every rank (some rank's gradient was not finite): said each time,
@@ -600,12 +694,22 @@ class OneBitAdam(Optimizer):
         if not ok:
             return self._skip()
         self._skip_streak = 0
+        coef = self._clip_coef if self._clip_coef is not None and self._clip_coef < 1 else None
         for unit in self.units:
-            if unit not in averaged:
+            if unit not in averaged and coef is None:
                 unit.momentum.copy_(unit.local)
                 continue
-            for p in unit.params:  # possibly clipped since, identically on every rank
-                unit.view(p).copy_(unit.view(p, unit.local) if p.grad is None else p.grad)
+            for p in unit.params:
+                new = unit.view(p, unit.local)
+                if unit in averaged and p.grad is not None:
+                    # The hook handed the average to DDP as p.grad; changed since, it was
+                    # changed identically on every rank (torch's clip_grad_norm_, say).
+                    if not self._said_grad_changed and not torch.equal(p.grad, new):
+                        self._say_grad_changed()
+                    new = p.grad
+                if coef is not None:
+                    unit.clip_(p, new, coef)
+                unit.view(p).copy_(new)
         for p, hyper in self._hyper():
             state = self.state[p]
             state["step"] += 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["adam_update_", "fold_gradient_", "frozen_update_"]
+__all__ = ["adam_update_", "clip_folded_", "fold_gradient_", "frozen_update_"]
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
@@ -56,6 +56,20 @@ def fold_gradient_(
     if weight_decay != 0 and not decoupled:
         grad = grad.add(param, alpha=weight_decay)
     torch.lerp(exp_avg, grad, 1 - beta1, out=out)
+
+
+def clip_folded_(
+    averaged: torch.Tensor, exp_avg: torch.Tensor, param: torch.Tensor, coef: float, *,
+    beta1: float, weight_decay: float, decoupled: bool,
+) -> None:
+    """Scale the gradient inside an averaged fold by ``coef``, in place: the fold is
+    ``b1 * m + (1 - b1) * (g + wd * p)`` (linear in ``g``), so
+    ``coef * fold + (1 - coef) * (b1 * m + (1 - b1) * wd * p)`` is the fold of ``coef * g``,
+    what Adam's momentum would be after clipping the averaged gradient ``g`` by ``coef``.
+    ``m`` is the momentum before the fold, the same on every rank."""
+    averaged.mul_(coef).add_(exp_avg, alpha=(1 - coef) * beta1)
+    if weight_decay != 0 and not decoupled:
+        averaged.add_(_fp32(param), alpha=(1 - coef) * (1 - beta1) * weight_decay)
 
 
 def frozen_update_(

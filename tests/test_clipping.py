@@ -1,0 +1,233 @@
+"""OneBitAdam.clip_grad_norm_: Adam's clipping in warm-up, the gradient inside the averaged
+momentum clipped in the compression stage, the same bits on every path."""
+
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from onebit_plugin import OneBitAdam
+from onebit_plugin.ddp_hook import register_onebit_hook
+from tests.dist_helpers import assert_ranks_identical, run_ranks
+
+MAX_NORM = 0.3  # below the gradients' norms of these models (about 0.5-1.5): clipping acts
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                         nn.Linear(32, 4))
+
+
+def _batch(rank, step, n=8):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, 16, generator=gen), torch.randint(0, 4, (n,), generator=gen)
+
+
+def _backward(model, rank, step):
+    x, y = _batch(rank, step)
+    (nn.functional.cross_entropy(model(x), y) * 3).backward()
+
+
+def test_single_process_clips_the_gradient_inside_the_momentum():
+    """One process: the local gradient is the gradient, so OneBitAdam.clip_grad_norm_ must give
+    what torch's clip_grad_norm_ on p.grad gives before the fold (coupled weight decay and a
+    masked coordinate included), up to rounding; warm-up bit for bit."""
+    models = [_mlp(), _mlp()]
+    masks = [{m[0].bias: torch.arange(32) != 5} for m in models]
+    opts = [OneBitAdam(m.parameters(), lr=1e-2, freeze_step=3, weight_decay=0.1, masks=k)
+            for m, k in zip(models, masks, strict=True)]
+    clipped_steps = 0
+    for step in range(12):
+        norms = []
+        for i, (model, opt) in enumerate(zip(models, opts, strict=True)):
+            opt.zero_grad()
+            _backward(model, 0, step)
+            norms.append(opt.clip_grad_norm_(MAX_NORM) if i == 0 else
+                         nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+            opt.step()
+        torch.testing.assert_close(norms[0], norms[1], rtol=1e-6, atol=0)
+        clipped_steps += opts[0].stage == "compression" and float(norms[0]) > MAX_NORM
+        for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
+            if step < 3:
+                assert torch.equal(a, b)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert clipped_steps >= 6
+    assert opts[0].state[models[0][0].bias]["exp_avg"][5] == 0  # masked stays at zero
+
+
+def _paths_worker(rank, world, overlap):
+    """Clipped training with OneBitAdam averaging itself, or under DDP with the hook."""
+    model = _mlp() if overlap is None else DDP(_mlp(), bucket_cap_mb=0.001)  # several buckets
+    # One momentum unit on every path (the hook would otherwise size units like DDP's buckets).
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=3, bucket_cap_mb=25)
+    if overlap is not None:
+        register_onebit_hook(model, opt, overlap=overlap)
+    norms = []
+    for step in range(10):
+        opt.zero_grad()
+        _backward(model, rank, step)
+        norms.append(float(opt.clip_grad_norm_(MAX_NORM, params=model.parameters())))
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], norms
+
+
+def test_every_path_clips_to_the_same_bits():
+    results = {path: run_ranks(_paths_worker, 2, path) for path in (None, True, False)}
+    for path, ranks in results.items():
+        assert_ranks_identical([r[0] for r in ranks], f"parameters (overlap={path})")
+    plain, plain_norms = results[None][0]
+    assert sum(n > MAX_NORM for n in plain_norms[3:]) >= 5  # clipping acted in compression
+    for path in (True, False):
+        params, norms = results[path][0]
+        assert norms == plain_norms
+        for a, b in zip(plain, params, strict=True):
+            assert torch.equal(a, b)
+
+
+def _momentum_worker(rank, world):
+    """Exact momentum allreduce: after a clipped compression-stage step the momentum must be
+    Adam's with the averaged gradient scaled by max_norm / (mean of the ranks' local norms)."""
+    model = _mlp()
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2, compress_momentum=False)
+    for step in range(3):
+        opt.zero_grad()
+        _backward(model, rank, step)
+        opt.clip_grad_norm_(MAX_NORM)
+        opt.step()
+    assert opt.stage == "compression"
+    old = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    opt.zero_grad()
+    _backward(model, rank, 3)
+    local = [p.grad.clone() for p in model.parameters()]
+    local_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in local]))
+    norms = [torch.zeros(()) for _ in range(world)]
+    dist.all_gather(norms, local_norm)
+    mean = [g.clone() for g in local]
+    for g in mean:
+        dist.all_reduce(g)
+        g /= world
+    norm = opt.clip_grad_norm_(MAX_NORM)
+    opt.step()
+    coef = MAX_NORM / (sum(norms) / world + 1e-6)
+    expected = [m * 0.9 + 0.1 * coef * g for m, g in zip(old, mean, strict=True)]
+    return (float(norm), float(sum(norms) / world), float(coef),
+            [opt.state[p]["exp_avg"].clone() for p in model.parameters()], expected)
+
+
+def test_compression_stage_momentum_is_adams_with_the_clipped_mean_gradient():
+    for norm, mean_norm, coef, got, expected in run_ranks(_momentum_worker, 2):
+        assert norm == pytest.approx(mean_norm, rel=1e-6)
+        assert coef < 0.5  # clipping acted
+        for a, b in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+
+
+def _torch_clip_worker(rank, world):
+    model = DDP(_mlp())
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    register_onebit_hook(model, opt)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("onebit_plugin").addHandler(handler)
+    for step in range(6):
+        opt.zero_grad()
+        _backward(model, rank, step)
+        nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # on the averaged momentum
+        opt.step()
+    return [r.getMessage() for r in records if "p.grad holds the averaged momentum" in
+            r.getMessage()]
+
+
+def test_torch_clipping_of_the_averaged_momentum_is_said_once():
+    for said in run_ranks(_torch_clip_worker, 2):
+        assert len(said) == 1 and "optimizer.clip_grad_norm_(max_norm)" in said[0]
+
+
+def test_bad_clipping_arguments_are_clear_errors():
+    model, other = _mlp(), nn.Linear(2, 2)
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    _backward(model, 0, 0)
+    with pytest.raises(ValueError, match="2-norm"):
+        opt.clip_grad_norm_(1.0, norm_type=float("inf"))
+    with pytest.raises(ValueError, match="max_norm must be > 0"):
+        opt.clip_grad_norm_(0.0)
+    with pytest.raises(ValueError, match="clips all of the optimizer's 6 trainable"):
+        opt.clip_grad_norm_(1.0, params=list(model.parameters())[:2])
+    with pytest.raises(ValueError, match="2 of them not the optimizer's"):
+        opt.clip_grad_norm_(1.0, params=other.parameters())
+
+
+# ------------------------------------------------------------------- the integrations' routes
+@pytest.fixture
+def spy(monkeypatch):
+    """Records OneBitAdam.clip_grad_norm_ calls (and still runs them)."""
+    calls, real = [], OneBitAdam.clip_grad_norm_
+
+    def clip(self, max_norm, norm_type=2.0, params=None):
+        calls.append((max_norm, norm_type, params is not None))
+        return real(self, max_norm, norm_type, params)
+
+    monkeypatch.setattr(OneBitAdam, "clip_grad_norm_", clip)
+    return calls
+
+
+def _warm_model_and_optimizer():
+    model = _mlp()
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    _backward(model, 0, 0)
+    return model, opt
+
+
+def test_lightning_gradient_clip_val_reaches_onebit_adam(spy):
+    import pytorch_lightning as pl
+
+    from onebit_plugin.integrations.lightning_strategy import route_clipping
+
+    precision = pl.plugins.precision.Precision()
+    route_clipping(precision)
+    route_clipping(precision)  # a second fit: routed once
+    model, opt = _warm_model_and_optimizer()
+    precision.clip_gradients(opt, 0.5, "norm")
+    assert spy == [(0.5, 2.0, True)]
+    with pytest.raises(ValueError, match="clipping by value"):
+        precision.clip_gradients(opt, 0.5, "value")
+    plain = torch.optim.Adam(model.parameters())  # other optimizers: Lightning's own clipping
+    precision.clip_gradients(plain, 1e-3, "value")
+    assert spy == [(0.5, 2.0, True)] and all(p.grad.abs().max() <= 1e-3
+                                             for p in model.parameters())
+
+
+def test_fabric_clip_gradients_reaches_onebit_adam(spy):
+    from lightning.fabric.plugins import Precision
+
+    from onebit_plugin.integrations.for_lightning_fabric import OneBitAdamFabricStrategy
+
+    strategy = OneBitAdamFabricStrategy()
+    strategy.precision = Precision()
+    model, opt = _warm_model_and_optimizer()
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    norm = strategy.clip_gradients_norm(model, opt, 0.5)
+    assert spy == [(0.5, 2.0, True)]
+    torch.testing.assert_close(norm, expected)
+    with pytest.raises(ValueError, match="clipping by value"):
+        strategy.clip_gradients_value(model, opt, 0.5)
+
+
+def test_accelerate_clip_grad_norm_reaches_onebit_adam(spy, monkeypatch):
+    monkeypatch.setenv("ONEBIT_ADAM", "1")
+    monkeypatch.setenv("ONEBIT_FREEZE_STEP", "2")
+    from onebit_plugin.integrations.accelerate_flag import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = _mlp()
+    model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _backward(model, 0, 0)
+    accelerator.clip_grad_norm_(model.parameters(), 0.5)
+    assert spy == [(0.5, 2, True)]
+    with pytest.raises(ValueError, match="clipping by value"):
+        accelerator.clip_grad_value_(model.parameters(), 0.5)
