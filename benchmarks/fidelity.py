@@ -49,11 +49,15 @@ FIXED_FREEZE = 40  # 17% of the run, inside the paper's 15-25%
 CLIP = 1.0  # clip_grad_norm_'s max_norm in the *_clip variants (transformers' default)
 VARIANTS = ["adam", "onebit_fixed", "onebit_auto", "onebit_auto_unbounded", "fp16", "powersgd",
             # Clipping: each compared with Adam + the same clipping of the averaged gradient.
-            "adam_clip", "onebit_auto_clip", "onebit_auto_clip_momentum"]
+            "adam_clip", "onebit_auto_clip", "onebit_auto_clip_momentum",
+            # bf16 parameters (autocast for the fp32 inputs), each compared with onebit_auto.
+            "onebit_auto_bf16", "onebit_auto_bf16_master"]
 
 
 def reference(variant: str) -> str:
-    """The Adam run a variant is compared with."""
+    """The run a variant is compared with."""
+    if "bf16" in variant:
+        return "onebit_auto"
     return "adam_clip" if "clip" in variant else "adam"
 
 
@@ -172,7 +176,8 @@ def _optimizer(variant, ddp, lr):
         # Skipped steps (inf/NaN gradients) are counted and reported, not fatal.
         opt = OneBitAdam(ddp.parameters(), lr=lr, total_steps=STEPS, max_skipped_steps=STEPS + 1,
                          freeze_step=FIXED_FREEZE if variant == "onebit_fixed" else "auto",
-                         bound_update=variant != "onebit_auto_unbounded")
+                         bound_update=variant != "onebit_auto_unbounded",
+                         master_weights=variant.endswith("_master"))
         register_onebit_hook(ddp, opt)
         return opt
     if variant == "fp16":
@@ -193,6 +198,9 @@ def _rank(rank, world, port, workload, variant, seed, queue):
         work = WORKLOADS[workload]()
         torch.manual_seed(seed)  # the same initial weights on every rank
         model = work.model()
+        bf16 = "bf16" in variant
+        if bf16:
+            model.to(torch.bfloat16)
         # PowerSGD chains its allreduces in future callbacks, which gloo runs on several
         # threads: with two buckets their order differs between ranks (gloo: "Received data
         # size doesn't match expected size"). One bucket keeps one chain.
@@ -204,12 +212,15 @@ def _rank(rank, world, port, workload, variant, seed, queue):
         for step in range(1, STEPS + 1):
             batch = work.batch_of(gen)
             opt.zero_grad()
-            work.loss(ddp, batch).backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = work.loss(ddp, batch)
+            loss.backward()
             norm = _clip(variant, ddp, opt)
             clipped += norm is not None and norm > CLIP
             opt.step()
             if step % 40 == 0:
-                curve.append((step, written() - start, work.val_loss(model)))
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    curve.append((step, written() - start, work.val_loss(model)))
         sent = written() - start
         result = {"val_loss": curve[-1][2], "bytes": sent, "curve": curve, "clipped": clipped,
                   "seconds": time.perf_counter() - began,

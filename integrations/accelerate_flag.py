@@ -24,7 +24,8 @@ Settings, all read from the environment when ``prepare()`` runs:
   ``ONEBIT_OVERLAP`` (default 1; 0 compresses in ``optimizer.step()`` instead of inside
   backward), ``ONEBIT_TIMEOUT`` (seconds a compressed allreduce may take before the step
   raises ``CommunicationError``), ``ONEBIT_BOUND_UPDATE`` (default 1; 0 is
-  ``OneBitAdam(bound_update=False)``).
+  ``OneBitAdam(bound_update=False)``), ``ONEBIT_MASTER_WEIGHTS`` (default 0; 1 keeps fp32
+  master copies of bf16/fp16 parameters: ``OneBitAdam(master_weights=True)``).
 
 Accelerate's YAML config rejects unknown keys and its ``kwargs_handlers`` reject unknown handler
 classes, which is why this is an environment flag read at ``prepare()``.
@@ -91,7 +92,8 @@ def _float(name: str) -> float | None:
 
 
 VARIABLES = ("ONEBIT_ADAM", "ONEBIT_FREEZE_STEP", "ONEBIT_TOTAL_STEPS", "ONEBIT_MAX_BLOCK",
-             "ONEBIT_SCALE", "ONEBIT_OVERLAP", "ONEBIT_TIMEOUT", "ONEBIT_BOUND_UPDATE")
+             "ONEBIT_SCALE", "ONEBIT_OVERLAP", "ONEBIT_TIMEOUT", "ONEBIT_BOUND_UPDATE",
+             "ONEBIT_MASTER_WEIGHTS")
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,7 @@ class OneBitSettings:
     overlap: bool = True
     timeout: float | None = None
     bound_update: bool = True
+    master_weights: bool = False
 
     @classmethod
     def from_env(cls) -> OneBitSettings | None:
@@ -124,6 +127,7 @@ class OneBitSettings:
             overlap=_flag("ONEBIT_OVERLAP", "1"),
             timeout=_float("ONEBIT_TIMEOUT"),
             bound_update=_flag("ONEBIT_BOUND_UPDATE", "1"),
+            master_weights=_flag("ONEBIT_MASTER_WEIGHTS", "0"),
         )
         if settings.freeze_step != "auto" and settings.freeze_step < 1:
             raise ValueError(f"ONEBIT_FREEZE_STEP must be >= 1 or auto, got "
@@ -167,6 +171,7 @@ def to_onebit_adam(optimizer: torch.optim.Optimizer, settings: OneBitSettings) -
         total_steps=settings.total_steps or getattr(optimizer, "onebit_total_steps", None),
         decoupled_weight_decay=decoupled, max_block=settings.max_block, scale=settings.scale,
         comm_timeout=settings.timeout, bound_update=settings.bound_update,
+        master_weights=settings.master_weights,
     )
 
 

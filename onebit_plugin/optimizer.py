@@ -100,6 +100,10 @@ class OneBitAdam(Optimizer):
             else 25 (DDP's default).
         max_skipped_steps: raise after this many steps in a row skipped for inf/NaN gradients
             (each skip logs a warning).
+        master_weights: keep an fp32 copy of every bf16/fp16 parameter in the optimizer state
+            (``state[p]["master"]``, 4 bytes per value) and step that copy; the parameter is its
+            rounding. Without it an update below half a bf16 ulp of the value is lost at every
+            step (docs/design.md, "bf16 parameters"). No effect on fp32 parameters.
 
     Attributes: ``stage`` (``"warmup"``/``"compression"``), ``global_step``, ``switch_step``,
     ``skipped_steps``, ``bytes_sent``, ``dense_bytes``, ``compression_ratio``, ``communicator``
@@ -128,6 +132,7 @@ class OneBitAdam(Optimizer):
         comm_timeout: float | None = None,
         bucket_cap_mb: float | None = None,
         max_skipped_steps: int = 20,
+        master_weights: bool = False,
     ):
         _check_hparams(lr, betas, eps, weight_decay)
         if freeze_step is None:
@@ -167,6 +172,7 @@ class OneBitAdam(Optimizer):
         self.average_grads = average_grads
         self.compress_momentum = compress_momentum
         self.bound_update = bool(bound_update)
+        self.master_weights = bool(master_weights)
         self.comm_timeout = None if comm_timeout is None else timedelta(seconds=comm_timeout)
         self.bucket_cap_mb = bucket_cap_mb
         self._masks = {}
@@ -456,6 +462,7 @@ class OneBitAdam(Optimizer):
             "mask_zero_variance": int(self.mask_zero_variance),
             "compress_momentum": int(self.compress_momentum),
             "bound_update": int(self.bound_update), "global_step": self.global_step,
+            "master_weights": int(self.master_weights),
             "trainable parameters": len(params),
             "trainable values": sum(p.numel() for p in params),
         }
@@ -525,7 +532,7 @@ class OneBitAdam(Optimizer):
                 state = self.state[p] or self._init_state(p)
                 state["step"] += 1
                 adam_update_(p, p.grad, state["exp_avg"], state["exp_avg_sq"],
-                             state["step"].item(), **hyper)
+                             state["step"].item(), master=self._master(p, state), **hyper)
 
     def _say_grad_changed(self) -> None:
         self._said_grad_changed = True
@@ -533,7 +540,7 @@ class OneBitAdam(Optimizer):
             "onebit: in the compression stage p.grad holds the averaged momentum (the DDP hook "
             "folded the local gradients into it during backward), and something changed it "
             "before step(): torch.nn.utils.clip_grad_norm_ or clip_grad_value_ there clips the "
-            "momentum, not the gradient (measured: far worse loss than Adam with clipping). "
+            "momentum, which is not what clipping means for Adam. "
             "Call optimizer.clip_grad_norm_(max_norm) instead (the Lightning and Fabric "
             "strategies and onebit-run's Accelerator do); the changed momentum is used as given")
 
@@ -551,6 +558,15 @@ class OneBitAdam(Optimizer):
                 "(the loss has diverged, or the data holds NaN): lower the learning rate, clip "
                 "gradients or check the data; max_skipped_steps sets this limit"
             )
+
+    def _master(self, p: torch.Tensor, state: dict) -> torch.Tensor | None:
+        """``p``'s fp32 master copy with ``master_weights`` (made from ``p`` when missing: the
+        first step, or a checkpoint saved without it), else None."""
+        if not self.master_weights or p.dtype == torch.float32:
+            return None
+        if "master" not in state:
+            state["master"] = p.detach().float()
+        return state["master"]
 
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -701,10 +717,12 @@ class OneBitAdam(Optimizer):
                 continue
             for p in unit.params:
                 new = unit.view(p, unit.local)
-                if unit in averaged and p.grad is not None:
-                    # The hook handed the average to DDP as p.grad; changed since, it was
-                    # changed identically on every rank (torch's clip_grad_norm_, say).
-                    if not self._said_grad_changed and not torch.equal(p.grad, new):
+                # The hook handed the average to DDP as p.grad (rounded to p.grad's dtype). If
+                # it is unchanged, the fp32 average is used; if something changed it (torch's
+                # clip_grad_norm_, say), identically on every rank, p.grad is used, and said.
+                if unit in averaged and p.grad is not None and \
+                        not torch.equal(p.grad, new.to(p.grad.dtype)):
+                    if not self._said_grad_changed:
                         self._say_grad_changed()
                     new = p.grad
                 if coef is not None:
@@ -714,7 +732,8 @@ class OneBitAdam(Optimizer):
             state = self.state[p]
             state["step"] += 1
             frozen_update_(p, state["exp_avg"], state["exp_avg_sq"], state["step"].item(),
-                           state["frozen_step"], bounded=self.bound_update, **hyper)
+                           state["frozen_step"], bounded=self.bound_update,
+                           master=self._master(p, state), **hyper)
 
     # ---------------------------------------------------------------------------- state dict
     def state_dict(self) -> dict:

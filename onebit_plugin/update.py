@@ -3,7 +3,10 @@
 Whoever runs a step imports them from here: ``OneBitAdam.step()`` (warm-up and frozen update) and
 the momentum units (the fold, in ``step()`` without DDP or inside backward with the DDP hook).
 One fp32 pattern throughout: optimizer state is fp32; a bf16/fp16 parameter or gradient is
-read through an fp32 copy and the parameter is rounded back once per step.
+read through an fp32 copy and the parameter is rounded back once per step. With ``master`` (an
+fp32 copy of a bf16/fp16 parameter kept in the optimizer state) the step updates the master and
+the parameter is its rounding: updates smaller than half a bf16 ulp (1/256 of the value) add up
+instead of being rounded away every step.
 """
 
 from __future__ import annotations
@@ -22,14 +25,18 @@ def _write_back(param: torch.Tensor, p32: torch.Tensor) -> None:
         param.copy_(p32)
 
 
+def _fp32_param(param: torch.Tensor, master: torch.Tensor | None) -> torch.Tensor:
+    return master if master is not None else _fp32(param)
+
+
 def adam_update_(
     param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
     step: float, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-    decoupled: bool,
+    decoupled: bool, master: torch.Tensor | None = None,
 ) -> None:
     """One Adam/AdamW step, the same operations in the same order as torch's single-tensor Adam
     (so fp32 results are bitwise equal)."""
-    p, grad = _fp32(param), _fp32(grad)
+    p, grad = _fp32_param(param, master), _fp32(grad)
     if weight_decay != 0:
         if decoupled:
             p.mul_(1 - lr * weight_decay)
@@ -76,6 +83,7 @@ def frozen_update_(
     param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: float,
     frozen_step: float, *, lr: float, beta1: float, beta2: float, eps: float,
     weight_decay: float, decoupled: bool, bounded: bool = False,
+    master: torch.Tensor | None = None,
 ) -> None:
     """The compression-stage update: the averaged momentum over the variance frozen at
     ``frozen_step`` (its bias correction frozen with it). ``bounded``: the variance is taken as
@@ -86,7 +94,7 @@ def frozen_update_(
     The clamp acts on each step's decoded momentum (``+-scale`` per coordinate, right only on
     average through error feedback), so it also slows coordinates whose true step is inside
     the bound; docs/design.md, "Bounded steps", measures what that costs."""
-    p = _fp32(param)
+    p = _fp32_param(param, master)
     if weight_decay != 0 and decoupled:
         p.mul_(1 - lr * weight_decay)
     correction = 1 - beta1**step

@@ -211,6 +211,7 @@ def test_survivor_exits_when_its_peer_hangs(tmp_path):
     ({"ONEBIT_MAX_BLOCK": "100"}, "ONEBIT_MAX_BLOCK must be a multiple of 8 in [8, 16384]"),
     ({"ONEBIT_TIMEOUT": "soon"}, "ONEBIT_TIMEOUT must be a number of seconds, got 'soon'"),
     ({"ONEBIT_BOUND_UPDATE": "maybe"}, "ONEBIT_BOUND_UPDATE must be 1 or 0"),
+    ({"ONEBIT_MASTER_WEIGHTS": "2"}, "ONEBIT_MASTER_WEIGHTS must be 1 or 0"),
 ])
 def test_every_setting_is_checked_naming_the_variable(monkeypatch, env, message):
     from onebit_plugin.integrations.accelerate_flag import OneBitSettings
