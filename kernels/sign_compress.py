@@ -4,8 +4,8 @@ Each program owns one block of ``block`` values (a multiple of 8) and views it a
 tile, so the 8 signs that share a byte sit in one row: packing is a shift-and-sum along that row,
 unpacking a shift-and-and. The shared ``@triton.jit`` helpers below address a block, encode and
 decode it; the three kernels only combine them. The torch reference in
-``onebit_plugin.compression`` defines the exact semantics; the packed bits match it bit for bit
-and scales/errors to fp32 rounding (the block sums are reduced in a different order).
+``onebit_plugin.compression`` defines the exact semantics, the block sums' order included, and
+the kernels match it bit for bit: packed bits, scales and errors.
 
 The kernels run on the CPU under ``TRITON_INTERPRET=1`` for testing.
 """
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from onebit_plugin.compression import ChunkLayout, CoordinateMask
+from onebit_plugin.compression import ChunkLayout, CoordinateMask, block_tile
 
 
 @triton.jit
@@ -40,15 +40,28 @@ def _decode(byte, cols, scale):
 
 
 @triton.jit
+def _tree_sum(terms, BYTES: tl.constexpr, LEVELS: tl.constexpr):
+    """The sum of a ``(BYTES, 8)`` tile in the reference's order
+    (``onebit_plugin.compression.block_sums_``): flat, row-major, the upper half added onto the
+    lower half until one value is left (``LEVELS = log2(8 * BYTES)`` halvings). A sum over an
+    axis of 2 is one addition, exact in either order; the reshapes keep the order
+    (``can_reorder`` is off)."""
+    flat = tl.reshape(terms, (BYTES * 8,))
+    for level in tl.static_range(LEVELS):
+        flat = tl.sum(tl.reshape(flat, (2, (BYTES * 4) >> level)), axis=0)
+    return tl.sum(flat, axis=0)
+
+
+@triton.jit
 def _encode_store(c, keep, count, cols, rows, block, packed_ptr, byte_offs, scales_ptr, pid,
-                  RMS: tl.constexpr):
+                  BYTES: tl.constexpr, LEVELS: tl.constexpr, RMS: tl.constexpr):
     """Store the signs (``c >= 0`` set) and the block scale of ``c``; return the new error
     ``c - decode`` (0 on masked coordinates)."""
     if RMS:
-        # sqrt_rn: correctly rounded, like torch.sqrt (plain sqrt may be approximate on GPUs).
-        scale = tl.sqrt_rn(tl.sum(tl.sum(c * c, axis=1), axis=0) / count)
+        # sqrt_rn: correctly rounded, as the reference's (plain sqrt may be approximate).
+        scale = tl.sqrt_rn(_tree_sum(c * c, BYTES, LEVELS) / count)
     else:
-        scale = tl.sum(tl.sum(tl.abs(c), axis=1), axis=0) / count
+        scale = _tree_sum(tl.abs(c), BYTES, LEVELS) / count
     positive = c >= 0
     byte = tl.sum(positive.to(tl.int32) << cols[None, :], axis=1)
     tl.store(packed_ptr + byte_offs, byte.to(tl.uint8), mask=rows < block // 8)
@@ -58,21 +71,22 @@ def _encode_store(c, keep, count, cols, rows, block, packed_ptr, byte_offs, scal
 
 @triton.jit
 def _worker_compress_kernel(x_ptr, err_ptr, mask_ptr, counts_ptr, packed_ptr, scales_ptr, n,
-                            block, BYTES: tl.constexpr, RMS: tl.constexpr):
+                            block, BYTES: tl.constexpr, LEVELS: tl.constexpr,
+                            RMS: tl.constexpr):
     pid, rows, cols, offs, in_block, byte_offs = _block_tile(block, BYTES)
     keep = tl.load(mask_ptr + offs, mask=in_block, other=0) != 0
     x = tl.load(x_ptr + offs, mask=in_block & (offs < n), other=0.0).to(tl.float32)
     err = tl.load(err_ptr + offs, mask=in_block, other=0.0)
     c = tl.where(keep, x + err, 0.0)
     new_err = _encode_store(c, keep, tl.load(counts_ptr + pid), cols, rows, block, packed_ptr,
-                            byte_offs, scales_ptr, pid, RMS)
+                            byte_offs, scales_ptr, pid, BYTES, LEVELS, RMS)
     tl.store(err_ptr + offs, new_err, mask=in_block)
 
 
 @triton.jit
 def _server_compress_kernel(recv_packed_ptr, recv_scales_ptr, err_ptr, mask_ptr, counts_ptr,
                             packed_ptr, scales_ptr, world, block, blocks_per_chunk,
-                            BYTES: tl.constexpr, RMS: tl.constexpr):
+                            BYTES: tl.constexpr, LEVELS: tl.constexpr, RMS: tl.constexpr):
     pid, rows, cols, offs, in_block, byte_offs = _block_tile(block, BYTES)
     chunk_bytes = blocks_per_chunk * (block // 8)
     total = tl.zeros((BYTES, 8), dtype=tl.float32)
@@ -87,7 +101,7 @@ def _server_compress_kernel(recv_packed_ptr, recv_scales_ptr, err_ptr, mask_ptr,
     err = tl.load(err_ptr + offs, mask=in_block, other=0.0)
     y = tl.where(keep, total / world, 0.0) + err
     new_err = _encode_store(y, keep, tl.load(counts_ptr + pid), cols, rows, block, packed_ptr,
-                            byte_offs, scales_ptr, pid, RMS)
+                            byte_offs, scales_ptr, pid, BYTES, LEVELS, RMS)
     tl.store(err_ptr + offs, new_err, mask=in_block)
 
 
@@ -110,9 +124,15 @@ def _launch_config(layout: ChunkLayout, *tensors: torch.Tensor) -> dict:
     for t in tensors:
         if not t.is_contiguous():
             raise ValueError(f"kernel argument of shape {tuple(t.shape)} is not contiguous")
-    tile = max(2, triton.next_power_of_2(layout.block // 8))
-    # One warp per 256 values of the block (32 lanes x 8 values), 1 to 8 warps.
-    return {"BYTES": tile, "num_warps": min(8, max(1, tile // 32))}
+    tile = block_tile(layout.block) // 8
+    # One warp per 256 values of the block (32 lanes x 8 values), 1 to 8 warps. No fused
+    # multiply-add: the reference rounds c*c before adding it.
+    return {"BYTES": tile, "num_warps": min(8, max(1, tile // 32)),
+            "enable_fp_fusion": False}
+
+
+def _sum_config(layout: ChunkLayout) -> dict:
+    return {"LEVELS": (block_tile(layout.block)).bit_length() - 1}
 
 
 def _on_device(tensor: torch.Tensor):
@@ -128,6 +148,7 @@ def worker_compress(x, error, mask: CoordinateMask, layout: ChunkLayout, packed,
         _worker_compress_kernel[(layout.num_blocks,)](
             x.view(-1), error, mask.keep.view(torch.uint8), mask.counts, packed, scales,
             layout.numel, layout.block, RMS=layout.scale == "rms", **config,
+            **_sum_config(layout),
         )
 
 
@@ -139,7 +160,7 @@ def server_compress(recv_packed, recv_scales, error, mask: CoordinateMask, layou
         _server_compress_kernel[(layout.blocks_per_chunk,)](
             recv_packed, recv_scales, error, mask.keep.view(torch.uint8), mask.counts, packed,
             scales, layout.world_size, layout.block, layout.blocks_per_chunk,
-            RMS=layout.scale == "rms", **config,
+            RMS=layout.scale == "rms", **config, **_sum_config(layout),
         )
 
 

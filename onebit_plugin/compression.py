@@ -15,6 +15,14 @@ byte ``k`` holds element ``8k + i``, set for ``value >= 0`` (zero is sent as ``+
 scale is the root mean square of its unmasked values, ``sqrt(sum(c**2) / count)``, or with
 ``scale="mean"`` their mean ``|c|`` (``benchmarks/scale_rule.py`` measures why RMS is the
 default); masked coordinates (the padding tail included) decode to exactly 0 and keep no error.
+
+Every backend computes a scale with the same operations in the same order, so that all agree
+bit for bit: the terms ``c*c`` (or ``|c|``) are rounded to fp32, the block is padded with zeros
+to ``block_tile(block)`` values (a power of two) and the upper half is added onto the lower half
+until one value is left (:func:`block_sums_`); that sum is divided by ``count`` in fp32, and the
+RMS rule's square root is correctly rounded (taken in fp64: exact for fp32 inputs). CPU
+``torch.sqrt`` on fp32 is not (1 ulp off on about 20% of inputs), nor is a reduction whose
+order is the library's choice.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ __all__ = [
     "ChunkLayout",
     "CompressionBuffers",
     "CoordinateMask",
+    "block_sums_",
+    "block_tile",
     "decompress",
     "server_compress",
     "worker_compress",
@@ -185,6 +195,34 @@ class CompressionBuffers:
         self.block_sums = torch.empty(num_values // block, dtype=torch.float32, device=device)
 
 
+def block_tile(block: int) -> int:
+    """Values a block is padded to for its sum: 8 times the next power of two of its bytes (at
+    least 2 bytes), the Triton kernels' tile."""
+    rows = block // 8
+    return 8 * max(2, 1 << (rows - 1).bit_length())
+
+
+def block_sums_(terms: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The sum of each row of ``terms`` (``(blocks, block)``, fp32, overwritten) in the order
+    every backend uses: zero-padded to ``block_tile(block)`` columns, the upper half added onto
+    the lower half until one column is left. Padding is never stored: the first halving adds
+    only the columns that exist."""
+    block = terms.shape[1]
+    half = block_tile(block) // 2  # <= block
+    if block > half:
+        terms[:, : block - half].add_(terms[:, half:block])
+    while half > 1:
+        half //= 2
+        terms[:, :half].add_(terms[:, half : 2 * half])
+    return out.copy_(terms[:, 0])
+
+
+def _scales_(sums: torch.Tensor, counts: torch.Tensor, rms: bool, out: torch.Tensor) -> None:
+    torch.div(sums, counts, out=out)
+    if rms:  # correctly rounded: fp64 holds every fp32 square root's rounding boundary
+        out.copy_(out.double().sqrt_())
+
+
 def _compress_(
     c: torch.Tensor,
     mask: CoordinateMask,
@@ -202,10 +240,8 @@ def _compress_(
         torch.mul(c, c, out=tmp)
     else:
         torch.abs(c, out=tmp)
-    torch.sum(tmp.view(blocks, block), dim=1, out=buf.block_sums[:blocks])
-    torch.div(buf.block_sums[:blocks], mask.counts, out=scales)
-    if layout.scale == "rms":
-        scales.sqrt_()
+    block_sums_(tmp.view(blocks, block), buf.block_sums[:blocks])
+    _scales_(buf.block_sums[:blocks], mask.counts, layout.scale == "rms", scales)
     bits = buf.bits[:size]
     torch.ge(c, 0, out=bits)
     packed64 = buf.packed64[: size // 8]
