@@ -1,11 +1,14 @@
-"""Throughput of the CPU (torch) compression path against the machine's copy bandwidth.
+"""Throughput of the CPU compression passes against the machine's copy bandwidth, side by side:
+the fused C passes (``onebit_plugin.kernels.cpu``, the default) and the torch passes (the
+reference and fallback).
 
     .venv/bin/python benchmarks/compression_throughput.py [--numel 8388608] [--world 4]
 
-Times each stage of one compressed allreduce on one thread, without communication: the worker
-pass over the whole tensor, the server pass over one chunk (W senders), the final decode, and a
-plain fp32 copy of the same tensor for reference (read n*4 + write n*4 bytes). Prints ms and
-GB/s counted as the fp32 bytes the stage reads and writes.
+Times each stage of one compressed allreduce on ``--threads`` threads (1 by default), without
+communication: the worker pass over the whole tensor, the server pass over one chunk (W
+senders), the final decode, and a plain fp32 copy of the same tensor for reference (read n*4 +
+write n*4 bytes). Prints ms and GB/s counted as the fp32 bytes the stage reads and writes, and
+the ratio to the copy; checks that both backends gave the same bits.
 """
 
 from __future__ import annotations
@@ -52,23 +55,35 @@ def main() -> None:
     out = torch.empty(args.numel)
     dst = torch.empty(args.numel)
     n = args.numel
-    rows = [
-        ("fp32 copy (reference)", lambda: dst.copy_(x), 8 * n),
-        ("worker compress", lambda: C.worker_compress(
-            x, err, mask, lay, packed, scales, buf), 12 * n),
-        ("server compress (1 chunk)", lambda: C.server_compress(
-            recv_packed, recv_scales, server_err, mask.chunk(lay, 0), lay, own_packed,
-            own_scales, buf), 8 * lay.chunk),
-        ("decompress", lambda: C.decompress(packed, scales, mask, lay, out, buf), 4 * n),
+    chunk_mask = mask.chunk(lay, 0)
+    stages = [
+        ("worker compress", lambda b: C.worker_compress(
+            x, err, mask, lay, packed, scales, buf, backend=b), 12 * n),
+        ("server compress (1 chunk)", lambda b: C.server_compress(
+            recv_packed, recv_scales, server_err, chunk_mask, lay, own_packed, own_scales, buf,
+            backend=b), 8 * lay.chunk),
+        ("decompress", lambda b: C.decompress(packed, scales, mask, lay, out, buf, backend=b),
+         4 * n),
     ]
+    copy = bench(lambda: dst.copy_(x), args.repeat)
+    copy_gbs = 8 * n / copy / 1e9
     print(f"numel={n} world={args.world} block={lay.block} threads={args.threads} "
-          f"torch={torch.__version__}")
-    copy_gbs = None
-    for name, fn, nbytes in rows:
-        t = bench(fn, args.repeat)
-        gbs = nbytes / t / 1e9
-        copy_gbs = copy_gbs or gbs
-        print(f"{name:28s} {t * 1e3:8.2f} ms  {gbs:6.2f} GB/s  ({gbs / copy_gbs:.2f} of copy)")
+          f"torch={torch.__version__}; fp32 copy {copy * 1e3:.2f} ms, {copy_gbs:.2f} GB/s\n")
+    print("| stage | C (ms) | C vs copy | torch (ms) | torch vs copy | C speed-up |")
+    print("|---|---|---|---|---|---|")
+    for name, fn, nbytes in stages:
+        times = {b: bench(lambda b=b, fn=fn: fn(b), args.repeat) for b in ("cpu", "torch")}
+        ratio = {b: nbytes / t / 1e9 / copy_gbs for b, t in times.items()}
+        print(f"| {name} | {times['cpu'] * 1e3:.2f} | {ratio['cpu']:.2f} | "
+              f"{times['torch'] * 1e3:.2f} | {ratio['torch']:.2f} | "
+              f"{times['torch'] / times['cpu']:.1f}x |")
+    same = []
+    for backend in ("cpu", "torch"):
+        e = torch.zeros(lay.padded_numel)
+        C.worker_compress(x, e, mask, lay, packed, scales, buf, backend=backend)
+        same.append((packed.clone(), scales.clone(), e))
+    print(f"\nsame bits (worker pass, fresh errors): "
+          f"{all(torch.equal(a, b) for a, b in zip(*same, strict=True))}")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,9 @@ Settings, all read from the environment when ``prepare()`` runs:
   backward), ``ONEBIT_TIMEOUT`` (seconds a compressed allreduce may take before the step
   raises ``CommunicationError``), ``ONEBIT_BOUND_UPDATE`` (default 1; 0 is
   ``OneBitAdam(bound_update=False)``), ``ONEBIT_MASTER_WEIGHTS`` (default 0; 1 keeps fp32
-  master copies of bf16/fp16 parameters: ``OneBitAdam(master_weights=True)``).
+  master copies of bf16/fp16 parameters: ``OneBitAdam(master_weights=True)``),
+  ``ONEBIT_CPU_KERNEL`` (default 1; 0 runs the CPU compression as torch passes instead of the
+  compiled C passes, for every OneBitAdam in the process).
 
 Accelerate's YAML config rejects unknown keys and its ``kwargs_handlers`` reject unknown handler
 classes, which is why this is an environment flag read at ``prepare()``.
@@ -93,7 +95,7 @@ def _float(name: str) -> float | None:
 
 VARIABLES = ("ONEBIT_ADAM", "ONEBIT_FREEZE_STEP", "ONEBIT_TOTAL_STEPS", "ONEBIT_MAX_BLOCK",
              "ONEBIT_SCALE", "ONEBIT_OVERLAP", "ONEBIT_TIMEOUT", "ONEBIT_BOUND_UPDATE",
-             "ONEBIT_MASTER_WEIGHTS")
+             "ONEBIT_MASTER_WEIGHTS", "ONEBIT_CPU_KERNEL")
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,7 @@ class OneBitSettings:
             bound_update=_flag("ONEBIT_BOUND_UPDATE", "1"),
             master_weights=_flag("ONEBIT_MASTER_WEIGHTS", "0"),
         )
+        _flag("ONEBIT_CPU_KERNEL", "1")  # read by onebit_plugin.kernels.cpu; checked here
         if settings.freeze_step != "auto" and settings.freeze_step < 1:
             raise ValueError(f"ONEBIT_FREEZE_STEP must be >= 1 or auto, got "
                              f"{settings.freeze_step}")

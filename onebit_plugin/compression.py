@@ -1,7 +1,9 @@
 """Sign compression with error feedback: the chunk layout, the pure-torch reference, one dispatch.
 
-Every function here has a Triton twin in ``onebit_plugin.kernels.sign_compress``; these torch
-versions are the CPU path and the oracle the kernel tests compare against. The three stages are
+Every pass here has two compiled twins that give the same bits: Triton kernels for CUDA
+tensors (``onebit_plugin.kernels.sign_compress``) and fused C passes for the CPU
+(``onebit_plugin.kernels.cpu``, the default there when a C compiler is found); these torch
+versions are the reference the kernel tests compare against, and the CPU fallback. The three stages are
 the three passes of the compressed allreduce (docs/design.md, "The algorithm"):
 
 * :func:`worker_compress` -- ``c = (x + error) * mask``, one fp32 scale per block, signs packed
@@ -34,8 +36,10 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "BACKENDS",
     "ChunkLayout",
     "CompressionBuffers",
+    "backend_for",
     "CoordinateMask",
     "block_sums_",
     "block_tile",
@@ -262,6 +266,37 @@ def _decode_into(
     return mask.zero_(out)
 
 
+BACKENDS = ("triton", "cpu", "torch")
+
+
+def backend_for(data: torch.Tensor, backend: str | None, *tensors: torch.Tensor) -> str:
+    """Which implementation runs a pass: ``"triton"`` on CUDA tensors, on the CPU the fused C
+    passes (``"cpu"``, ``onebit_plugin.kernels.cpu``) when they could be built, else the torch
+    passes of this module (``"torch"``, the reference). ``backend`` forces one; every backend
+    gives the same bits. The compiled ones read raw pointers: their tensors must be contiguous
+    (else a ``ValueError``)."""
+    if backend is None:
+        if data.is_cuda:
+            backend = "triton"
+        else:
+            from onebit_plugin.kernels import cpu
+
+            fits = data.dtype != torch.float16  # fp16 input: the torch passes convert it
+            backend = "cpu" if fits and cpu.library() is not None else "torch"
+    elif backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if backend == "cpu":
+        from onebit_plugin.kernels import cpu
+
+        for t in tensors:
+            if t.is_cuda or not t.is_contiguous():
+                raise ValueError(f"the CPU kernel needs contiguous CPU tensors, got one of shape "
+                                 f"{tuple(t.shape)} on {t.device}")
+        if cpu.library() is None:
+            raise RuntimeError("onebit: the CPU kernel is not available (see the log line)")
+    return backend
+
+
 def worker_compress(
     x: torch.Tensor,
     error: torch.Tensor,
@@ -270,6 +305,7 @@ def worker_compress(
     packed: torch.Tensor,
     scales: torch.Tensor,
     buf: CompressionBuffers | None = None,
+    backend: str | None = None,
 ) -> None:
     """Worker side: compress ``x + error`` into ``packed``/``scales`` and update ``error``.
 
@@ -279,12 +315,19 @@ def worker_compress(
         mask: the layout's :class:`CoordinateMask`.
         packed: uint8 output, ``padded_numel // 8`` bytes.
         scales: fp32 output, ``layout.num_blocks`` values.
-        buf: scratch for ``padded_numel`` values (CPU path); allocated when omitted.
+        buf: scratch for ``padded_numel`` values (torch path); allocated when omitted.
+        backend: see :func:`backend_for`.
     """
-    if x.is_cuda:
+    chosen = backend_for(x, backend, x, error, packed, scales)
+    if chosen == "triton":
         from onebit_plugin.kernels import worker_compress as kernel
 
         kernel(x, error, mask, layout, packed, scales)
+        return
+    if chosen == "cpu":
+        from onebit_plugin.kernels import cpu
+
+        cpu.worker_compress(x, error, mask, layout, packed, scales, block_tile(layout.block))
         return
     buf = _check_buffers(buf, layout.padded_numel, layout.block, x.device)
     # c = x + error, built in the error buffer (its padding is always 0).
@@ -301,6 +344,7 @@ def server_compress(
     packed: torch.Tensor,
     scales: torch.Tensor,
     buf: CompressionBuffers | None = None,
+    backend: str | None = None,
 ) -> None:
     """Server side for this rank's chunk: average the W senders, add the error, recompress.
 
@@ -310,12 +354,20 @@ def server_compress(
         error: fp32 server error, ``chunk`` values, updated in place.
         mask: this chunk's :class:`CoordinateMask` (``CoordinateMask.chunk``).
         packed, scales: outputs, ``chunk // 8`` bytes and ``blocks_per_chunk`` values.
-        buf: scratch for ``W * chunk`` values (CPU path); allocated when omitted.
+        buf: scratch for ``W * chunk`` values (torch path); allocated when omitted.
+        backend: see :func:`backend_for`.
     """
-    if recv_packed.is_cuda:
+    chosen = backend_for(recv_packed, backend, recv_packed, recv_scales, error, packed, scales)
+    if chosen == "triton":
         from onebit_plugin.kernels import server_compress as kernel
 
         kernel(recv_packed, recv_scales, error, mask, layout, packed, scales)
+        return
+    if chosen == "cpu":
+        from onebit_plugin.kernels import cpu
+
+        cpu.server_compress(recv_packed, recv_scales, error, mask, layout, packed, scales,
+                            block_tile(layout.block))
         return
     world, chunk, block = layout.world_size, layout.chunk, layout.block
     buf = _check_buffers(buf, world * chunk, block, recv_packed.device)
@@ -342,15 +394,27 @@ def decompress(
     layout: ChunkLayout,
     out: torch.Tensor,
     buf: CompressionBuffers | None = None,
+    backend: str | None = None,
 ) -> None:
-    """Decode every chunk into ``out``: contiguous, ``layout.numel`` values, any float dtype."""
-    if packed.is_cuda:
+    """Decode every chunk into ``out``: contiguous, ``layout.numel`` values, any float dtype.
+    ``backend``: see :func:`backend_for`."""
+    chosen = backend_for(packed, backend, packed, scales, out)
+    if chosen == "triton":
         from onebit_plugin.kernels import decompress as kernel
 
         kernel(packed, scales, mask, layout, out)
         return
     total = layout.padded_numel
     buf = _check_buffers(buf, total, layout.block, packed.device)
+    if chosen == "cpu":
+        from onebit_plugin.kernels import cpu
+
+        # fp32 straight into out; other dtypes through fp32 scratch and one rounding copy.
+        target = out if out.dtype == torch.float32 else buf.values[: layout.numel]
+        cpu.decompress(packed, scales, mask, layout, target)
+        if target is not out:
+            out.view(-1).copy_(target)
+        return
     decoded = _decode_into(packed, scales, mask, layout.block, buf.values[:total])
     out.view(-1).copy_(decoded[: layout.numel])
 

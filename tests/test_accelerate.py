@@ -212,6 +212,7 @@ def test_survivor_exits_when_its_peer_hangs(tmp_path):
     ({"ONEBIT_TIMEOUT": "soon"}, "ONEBIT_TIMEOUT must be a number of seconds, got 'soon'"),
     ({"ONEBIT_BOUND_UPDATE": "maybe"}, "ONEBIT_BOUND_UPDATE must be 1 or 0"),
     ({"ONEBIT_MASTER_WEIGHTS": "2"}, "ONEBIT_MASTER_WEIGHTS must be 1 or 0"),
+    ({"ONEBIT_CPU_KERNEL": "fast"}, "ONEBIT_CPU_KERNEL must be 1 or 0"),
 ])
 def test_every_setting_is_checked_naming_the_variable(monkeypatch, env, message):
     from onebit_plugin.integrations.accelerate_flag import OneBitSettings

@@ -1,5 +1,6 @@
 """Triton kernels (under TRITON_INTERPRET=1 on the CPU) against the torch reference."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -42,7 +43,7 @@ def _inputs(numel, world, max_block, dtype, seed=0, scale="rms"):
 def test_worker_compress(numel, world, max_block, dtype, scale):
     layout, mask, x, error = _inputs(numel, world, max_block, dtype, scale=scale)
     outs = []
-    for fn in (ref.worker_compress, kernels.worker_compress):
+    for fn in (functools.partial(ref.worker_compress, backend="torch"), kernels.worker_compress):
         err = error.clone()
         packed = torch.empty(layout.padded_numel // 8, dtype=torch.uint8)
         scales = torch.empty(layout.num_blocks)
@@ -57,16 +58,17 @@ def test_worker_compress(numel, world, max_block, dtype, scale):
 
 
 def test_kernels_never_build_the_cpu_passes_index_list():
-    """The kernels read ``keep``; the int64 list of masked indices (8 bytes per masked value)
-    is built only for the CPU torch passes."""
+    """The kernels (Triton and C) read ``keep``; the int64 list of masked indices (8 bytes per
+    masked value) is built only for the torch passes."""
     layout, mask, x, error = _inputs(4099, 3, 256, torch.float32, scale="rms")
     packed = torch.empty(layout.padded_numel // 8, dtype=torch.uint8)
     scales = torch.empty(layout.num_blocks)
     kernels.worker_compress(x, error.clone(), mask, layout, packed, scales)
     out = torch.empty(layout.numel)
     kernels.decompress(packed, scales, mask, layout, out)
+    ref.worker_compress(x, error.clone(), mask, layout, packed, scales, backend="cpu")
     assert "dropped" not in vars(mask)
-    ref.worker_compress(x, error.clone(), mask, layout, packed, scales)
+    ref.worker_compress(x, error.clone(), mask, layout, packed, scales, backend="torch")
     assert vars(mask)["dropped"].numel() == int((~mask.keep).sum())
 
 
@@ -83,7 +85,7 @@ def test_server_compress(numel, world, max_block, scale):
     own_mask = mask.chunk(layout, rank)
     error = torch.randn(chunk, generator=gen) * 0.1 * own_mask.keep
     outs = []
-    for fn in (ref.server_compress, kernels.server_compress):
+    for fn in (functools.partial(ref.server_compress, backend="torch"), kernels.server_compress):
         err = error.clone()
         packed = torch.empty(chunk // 8, dtype=torch.uint8)
         scales = torch.empty(blocks)
@@ -105,7 +107,7 @@ def test_decompress(numel, world, max_block, dtype):
     scales = torch.rand(layout.num_blocks, generator=gen)
     out_ref = torch.full((numel,), float("nan"), dtype=dtype)
     out_k = out_ref.clone()
-    ref.decompress(packed, scales, mask, layout, out_ref)
+    ref.decompress(packed, scales, mask, layout, out_ref, backend="torch")
     kernels.decompress(packed, scales, mask, layout, out_k)
     # Decoding is exact: +-scale or 0, then one rounding to the output dtype.
     if dtype == torch.float32:

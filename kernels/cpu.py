@@ -1,0 +1,150 @@
+"""The fused CPU passes (``cpu_compress.c``): built once with the system's C compiler, cached,
+and called through ctypes (which releases the GIL, so the overlap thread does not hold up
+backward's Python).
+
+The library is built on first use into ``$XDG_CACHE_HOME/onebit_plugin`` (default
+``~/.cache/onebit_plugin``), keyed by the source, the flags, the compiler's version and the CPU's
+feature flags (``-march=native``); concurrent builds by several ranks each write their own file
+and rename it into place. Without a compiler (``$CC``, else ``cc``/``gcc``), or when the build
+fails, :func:`library` returns None once it has said so in one log line, and the torch passes of
+``onebit_plugin.compression`` run instead (the same bits, slower). ``ONEBIT_CPU_KERNEL=0``
+chooses the torch passes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["decompress", "library", "server_compress", "worker_compress"]
+
+log = logging.getLogger("onebit_plugin")
+
+SOURCE = Path(__file__).with_name("cpu_compress.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-shared",
+         "-fPIC", "-std=c11"]
+# Below this many values a pass runs on one thread: starting OpenMP's team costs more than the
+# pass (an 8M-value pass is a few ms; a 64K-value one a few tens of microseconds).
+PARALLEL_FROM = 1 << 20
+
+_state: dict = {}
+
+
+def _compiler() -> str | None:
+    for name in filter(None, (os.environ.get("CC"), "cc", "gcc")):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                             timeout=60).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version,
+                                    _cpu_flags()]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "onebit_plugin"
+    target = cache / f"cpu_compress_{key}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
+                              text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip()
+                               else f"{cc} exited {proc.returncode}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.onebit_worker_compress.argtypes = [p, i32, i64, p, p, p, p, p, i64, i64, i64, i32, i32]
+    lib.onebit_worker_compress.restype = i32
+    lib.onebit_server_compress.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, i32, i32]
+    lib.onebit_server_compress.restype = i32
+    lib.onebit_decompress.argtypes = [p, p, p, p, i64, i64, i64, i32]
+    lib.onebit_decompress.restype = None
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The built library, or None (said once) when it cannot be had."""
+    if "lib" in _state:
+        return _state["lib"]
+    lib, why = None, None
+    if os.environ.get("ONEBIT_CPU_KERNEL", "1").strip() in ("0", "false", "no", "off"):
+        why = "ONEBIT_CPU_KERNEL=0"
+    elif (cc := _compiler()) is None:
+        why = "no C compiler found ($CC, cc, gcc)"
+    else:
+        try:
+            lib = _bind(ctypes.CDLL(str(_build(cc))))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            why = f"building {SOURCE.name} failed: {exc}"
+    if lib is None:
+        log.warning("onebit: %s; the CPU compression runs as torch passes (the same bits, "
+                    "several times slower)", why)
+    _state["lib"] = lib
+    return lib
+
+
+def _threads(values: int) -> int:
+    return torch.get_num_threads() if values >= PARALLEL_FROM else 1
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def worker_compress(x, error, mask, layout, packed, scales, tile: int) -> None:
+    """The worker pass; ``x`` fp32 or bf16, contiguous, on the CPU."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the CPU kernel reads fp32 or bf16 input, got {x.dtype}")
+    rc = library().onebit_worker_compress(
+        _ptr(x), int(x.dtype == torch.bfloat16), layout.numel, _ptr(error), _ptr(mask.keep),
+        _ptr(mask.counts), _ptr(packed), _ptr(scales), layout.num_blocks, layout.block, tile,
+        int(layout.scale == "rms"), _threads(layout.padded_numel))
+    if rc != 0:
+        raise MemoryError("onebit: the CPU compression could not allocate its scratch")
+
+
+def server_compress(recv_packed, recv_scales, error, mask, layout, packed, scales,
+                    tile: int) -> None:
+    rc = library().onebit_server_compress(
+        _ptr(recv_packed), _ptr(recv_scales), _ptr(error), _ptr(mask.keep), _ptr(mask.counts),
+        _ptr(packed), _ptr(scales), layout.world_size, layout.blocks_per_chunk, layout.block,
+        tile, int(layout.scale == "rms"), _threads(layout.world_size * layout.chunk))
+    if rc != 0:
+        raise MemoryError("onebit: the CPU compression could not allocate its scratch")
+
+
+def decompress(packed, scales, mask, layout, out) -> None:
+    """The final decode into ``out`` (fp32, contiguous, ``layout.numel`` values)."""
+    library().onebit_decompress(_ptr(packed), _ptr(scales), _ptr(mask.keep), _ptr(out),
+                                layout.numel, layout.num_blocks, layout.block,
+                                _threads(layout.padded_numel))

@@ -1,0 +1,156 @@
+"""The fused CPU passes (onebit_plugin.kernels.cpu) against the torch reference, bit for bit;
+the build cache; the fallback when no compiler is found."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from onebit_plugin import compression as C
+from onebit_plugin.compression import ChunkLayout, CoordinateMask
+from onebit_plugin.kernels import cpu
+
+if cpu.library() is None:  # said in the log: this machine has no C compiler
+    pytest.skip("the CPU kernel could not be built here", allow_module_level=True)
+
+# Ragged sizes (less than a byte, partial blocks, uneven chunks), 1-5 ranks, one and several
+# blocks per chunk, blocks whose byte count is and is not a power of two.
+SIZES = [1, 7, 8, 1001, 4099, 70001]
+LAYOUTS = [(1, 2048), (2, 64), (3, 2048), (4, 136), (5, 128)]
+
+
+def _case(numel, world, max_block, scale, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed + numel + 31 * world)
+    layout = ChunkLayout.create(numel, world, max_block, scale)
+    mask = CoordinateMask.build(layout, torch.rand(numel, generator=gen) > 0.2)
+    x = (torch.randn(numel, generator=gen) * torch.rand(numel, generator=gen) * 10).to(dtype)
+    error = torch.randn(layout.padded_numel, generator=gen) * 0.1 * mask.keep
+    return layout, mask, x, error, gen
+
+
+def _both(fn):
+    return [fn(backend) for backend in ("torch", "cpu")]
+
+
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("world,max_block", LAYOUTS)
+@pytest.mark.parametrize("scale", ["rms", "mean"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_worker_pass_equals_the_reference(numel, world, max_block, scale, dtype):
+    layout, mask, x, error, _ = _case(numel, world, max_block, scale, dtype)
+
+    def run(backend):
+        err = error.clone()
+        packed = torch.empty(layout.padded_numel // 8, dtype=torch.uint8)
+        scales = torch.empty(layout.num_blocks)
+        C.worker_compress(x, err, mask, layout, packed, scales, backend=backend)
+        return packed, scales, err
+
+    ref, native = _both(run)
+    for a, b in zip(ref, native, strict=True):
+        assert torch.equal(a, b)
+    assert torch.all(native[2][~mask.keep] == 0)
+
+
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("world,max_block", LAYOUTS)
+@pytest.mark.parametrize("scale", ["rms", "mean"])
+def test_server_pass_equals_the_reference(numel, world, max_block, scale):
+    layout, mask, _, _, gen = _case(numel, world, max_block, scale, seed=1)
+    chunk, blocks = layout.chunk, layout.blocks_per_chunk
+    recv_packed = torch.randint(0, 256, (world, chunk // 8), dtype=torch.uint8, generator=gen)
+    recv_scales = torch.rand(world, blocks, generator=gen)
+    own = mask.chunk(layout, world - 1)  # the last chunk holds the padding
+    error = torch.randn(chunk, generator=gen) * 0.1 * own.keep
+
+    def run(backend):
+        err = error.clone()
+        packed = torch.empty(chunk // 8, dtype=torch.uint8)
+        scales = torch.empty(blocks)
+        C.server_compress(recv_packed, recv_scales, err, own, layout, packed, scales,
+                          backend=backend)
+        return packed, scales, err
+
+    for a, b in zip(*_both(run), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_decode_equals_the_reference(numel, dtype):
+    layout, mask, _, _, gen = _case(numel, 3, 128, "rms", seed=2)
+    packed = torch.randint(0, 256, (layout.padded_numel // 8,), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(layout.num_blocks, generator=gen)
+
+    def run(backend):
+        out = torch.full((numel,), float("nan"), dtype=dtype)
+        C.decompress(packed, scales, mask, layout, out, backend=backend)
+        return out
+
+    ref, native = _both(run)
+    assert torch.equal(ref, native)
+
+
+def test_the_cpu_path_is_the_default_and_rejects_what_it_cannot_read():
+    layout, mask, x, error, _ = _case(1001, 2, 128, "rms")
+    assert C.backend_for(x, None, x) == "cpu"
+    assert C.backend_for(x.half(), None, x) == "torch"  # fp16 input: the torch passes
+    packed = torch.empty(layout.padded_numel // 8, dtype=torch.uint8)
+    scales = torch.empty(layout.num_blocks)
+    with pytest.raises(ValueError, match=r"contiguous CPU tensors, got one of shape \(1001,\)"):
+        C.worker_compress(torch.randn(2002)[::2], error, mask, layout, packed, scales,
+                          backend="cpu")
+    with pytest.raises(ValueError, match="fp32 or bf16 input, got torch.float16"):
+        C.worker_compress(x.half(), error, mask, layout, packed, scales, backend="cpu")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        C.worker_compress(x, error, mask, layout, packed, scales, backend="numba")
+
+
+_CHILD = textwrap.dedent("""
+    import logging, time, torch
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    from onebit_plugin import compression as C
+    from onebit_plugin.kernels import cpu
+    start = time.perf_counter()
+    lay = C.ChunkLayout.create(5000, 2, 2048)
+    mask = C.CoordinateMask.build(lay)
+    x = torch.randn(5000)
+    for _ in range(2):
+        C.worker_compress(x, torch.zeros(lay.padded_numel), mask, lay,
+                          torch.empty(lay.padded_numel // 8, dtype=torch.uint8),
+                          torch.empty(lay.num_blocks))
+    print(C.backend_for(x, None, x), f"{time.perf_counter() - start:.1f}")
+""")
+
+
+def _child(env):
+    env = {**os.environ, **env}
+    proc = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split(), proc.stderr
+
+
+def test_first_build_is_cached(tmp_path):
+    (backend, seconds), said = _child({"XDG_CACHE_HOME": str(tmp_path)})
+    built = list((tmp_path / "onebit_plugin").glob("cpu_compress_*.so"))
+    assert backend == "cpu" and len(built) == 1 and "onebit:" not in said
+    print(f"first use, build included: {seconds} s")
+    assert float(seconds) < 60
+    stamp = built[0].stat().st_mtime_ns
+    assert _child({"XDG_CACHE_HOME": str(tmp_path)})[0][0] == "cpu"
+    assert built[0].stat().st_mtime_ns == stamp  # loaded from the cache, not rebuilt
+
+
+@pytest.mark.parametrize("env,reason", [
+    ({"CC": "/nonexistent/cc", "PATH": "/nonexistent"}, "no C compiler found"),
+    ({"ONEBIT_CPU_KERNEL": "0"}, "ONEBIT_CPU_KERNEL=0"),
+])
+def test_without_the_kernel_the_torch_passes_run_and_it_is_said_once(tmp_path, env, reason):
+    (backend, _), said = _child({"XDG_CACHE_HOME": str(tmp_path), **env})
+    lines = [line for line in said.splitlines() if line.startswith("onebit:")]
+    assert backend == "torch"
+    assert len(lines) == 1 and reason in lines[0] and "torch passes" in lines[0], said
