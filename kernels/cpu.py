@@ -29,7 +29,8 @@ __all__ = ["decompress", "library", "server_compress", "worker_compress"]
 log = logging.getLogger("onebit_plugin")
 
 SOURCE = Path(__file__).with_name("cpu_compress.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-shared",
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math",
+         "-fno-trapping-math", "-shared",
          "-fPIC", "-std=c11"]
 # Below this many values a pass runs on one thread: starting OpenMP's team costs more than the
 # pass (an 8M-value pass is a few ms; a 64K-value one a few tens of microseconds).

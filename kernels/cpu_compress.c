@@ -14,6 +14,21 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+/* SIGNS[byte][i]: +1 where bit i of byte is set, else -1. Decoding is then a multiply by the
+ * scale, exact (+-scale), and a loop of 8 that compilers vectorise. */
+static float SIGNS[256][8];
+static int signs_ready;
+
+static void init_signs(void) {
+    if (signs_ready) return;
+    for (int b = 0; b < 256; b++)
+        for (int i = 0; i < 8; i++) SIGNS[b][i] = (b >> i) & 1 ? 1.0f : -1.0f;
+    signs_ready = 1;
+}
 
 static inline float bf16_to_float(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -25,7 +40,7 @@ static inline float bf16_to_float(uint16_t h) {
 /* The reference's block sum of terms[0..block): padded with zeros to `tile` (a power of two,
  * tile / 2 <= block), the upper half added onto the lower half until one value is left.
  * Overwrites terms. */
-static float tree_sum(float *terms, int64_t block, int64_t tile) {
+static float tree_sum(float *restrict terms, int64_t block, int64_t tile) {
     int64_t half = tile / 2;
     for (int64_t i = 0; i < block - half; i++) terms[i] += terms[i + half];
     while (half > 1) {
@@ -35,23 +50,40 @@ static float tree_sum(float *terms, int64_t block, int64_t tile) {
     return terms[0];
 }
 
-static float block_scale(float *terms, int64_t block, int64_t tile, float count, int rms) {
+/* terms = c*c (rms) or |c|, then the scale: sum / count in fp32, the root correctly rounded. */
+static float block_scale(const float *restrict c, float *restrict terms, int64_t block,
+                         int64_t tile, float count, int rms) {
+    if (rms)
+        for (int64_t i = 0; i < block; i++) terms[i] = c[i] * c[i];
+    else
+        for (int64_t i = 0; i < block; i++) terms[i] = fabsf(c[i]);
     float mean = tree_sum(terms, block, tile) / count;
     return rms ? (float)sqrt((double)mean) : mean;
 }
 
-/* Signs of c[0..block) into packed, the block's scale, and the new error c - decode (0 where
- * masked) into err. */
-static void encode(const float *c, const uint8_t *keep, float scale, int64_t block,
-                   uint8_t *packed, float *err) {
-    for (int64_t k = 0; k < block / 8; k++) {
+/* Byte k of packed: bit i set where c[8k+i] >= 0 (so -0.0 too). */
+static void pack_signs(const float *restrict c, int64_t block, uint8_t *restrict packed) {
+    int64_t k = 0;
+#ifdef __AVX2__
+    const __m256 zero = _mm256_setzero_ps();
+    for (; k < block / 8; k++)
+        packed[k] = (uint8_t)_mm256_movemask_ps(
+            _mm256_cmp_ps(_mm256_loadu_ps(c + 8 * k), zero, _CMP_GE_OQ));
+#endif
+    for (; k < block / 8; k++) {
         unsigned byte = 0;
         for (int i = 0; i < 8; i++) byte |= (unsigned)(c[8 * k + i] >= 0.0f) << i;
         packed[k] = (uint8_t)byte;
     }
+}
+
+/* The new error c - decode, 0 where masked. */
+static void new_error(const float *restrict c, const uint8_t *restrict keep, float scale,
+                      int64_t block, float *restrict err) {
     for (int64_t i = 0; i < block; i++) {
-        float decoded = c[i] >= 0.0f ? scale : -scale;
-        err[i] = keep[i] ? c[i] - decoded : 0.0f;
+        float v = c[i];
+        float left = v - (v >= 0.0f ? scale : -scale);
+        err[i] = keep[i] ? left : 0.0f;
     }
 }
 
@@ -60,8 +92,8 @@ static int pick_threads(int threads, int64_t blocks) {
     return blocks < threads ? (int)(blocks > 0 ? blocks : 1) : threads;
 }
 
-/* Worker pass: c = (x + err) where kept, else 0; x has n values (dtype 0: fp32, 1: bf16), err
- * and keep blocks * block. Returns 0, or -1 when scratch could not be allocated. */
+/* Worker pass: c = (x + err) where kept, else 0; x has n values (fp32, or bf16 when x_bf16),
+ * err and keep blocks * block. Returns 0, or -1 when scratch could not be allocated. */
 int onebit_worker_compress(const void *x, int x_bf16, int64_t n, float *err, const uint8_t *keep,
                            const float *counts, uint8_t *packed, float *scales, int64_t blocks,
                            int64_t block, int64_t tile, int rms, int threads) {
@@ -76,21 +108,31 @@ int onebit_worker_compress(const void *x, int x_bf16, int64_t n, float *err, con
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < blocks; b++) {
                 int64_t start = b * block;
-                const uint8_t *kb = keep + start;
-                float *eb = err + start;
-                for (int64_t i = 0; i < block; i++) {
-                    int64_t at = start + i;
-                    float xv = 0.0f;
-                    if (at < n)
-                        xv = x_bf16 ? bf16_to_float(((const uint16_t *)x)[at])
-                                    : ((const float *)x)[at];
-                    float v = kb[i] ? eb[i] + xv : 0.0f;
-                    c[i] = v;
-                    terms[i] = rms ? v * v : fabsf(v);
+                int64_t inside = n - start < block ? (n - start > 0 ? n - start : 0) : block;
+                const uint8_t *restrict kb = keep + start;
+                float *restrict eb = err + start;
+                /* Loads outside the selects, so that the loops vectorise. */
+                if (x_bf16) {
+                    const uint16_t *restrict xb = (const uint16_t *)x + start;
+                    for (int64_t i = 0; i < inside; i++) {
+                        float v = eb[i] + bf16_to_float(xb[i]);
+                        c[i] = kb[i] ? v : 0.0f;
+                    }
+                } else {
+                    const float *restrict xf = (const float *)x + start;
+                    for (int64_t i = 0; i < inside; i++) {
+                        float v = eb[i] + xf[i];
+                        c[i] = kb[i] ? v : 0.0f;
+                    }
                 }
-                float scale = block_scale(terms, block, tile, counts[b], rms);
+                for (int64_t i = inside; i < block; i++) {
+                    float v = eb[i];
+                    c[i] = kb[i] ? v : 0.0f;
+                }
+                float scale = block_scale(c, terms, block, tile, counts[b], rms);
                 scales[b] = scale;
-                encode(c, kb, scale, block, packed + start / 8, eb);
+                pack_signs(c, block, packed + start / 8);
+                new_error(c, kb, scale, block, eb);
             }
             free(c);
         }
@@ -105,6 +147,7 @@ int onebit_server_compress(const uint8_t *recv_packed, const float *recv_scales,
                            const uint8_t *keep, const float *counts, uint8_t *packed,
                            float *scales, int64_t world, int64_t blocks_per_chunk, int64_t block,
                            int64_t tile, int rms, int threads) {
+    init_signs();
     int failed = 0;
     int64_t chunk_bytes = blocks_per_chunk * (block / 8);
 #pragma omp parallel num_threads(pick_threads(threads, blocks_per_chunk)) reduction(| : failed)
@@ -121,24 +164,25 @@ int onebit_server_compress(const uint8_t *recv_packed, const float *recv_scales,
                     const uint8_t *bytes = recv_packed + k * chunk_bytes + start / 8;
                     float s = recv_scales[k * blocks_per_chunk + b];
                     for (int64_t j = 0; j < block / 8; j++) {
-                        unsigned byte = bytes[j];
-                        for (int i = 0; i < 8; i++) {
-                            float d = (byte >> i) & 1u ? s : -s;
-                            c[8 * j + i] = k == 0 ? d : c[8 * j + i] + d;
-                        }
+                        const float *restrict sign = SIGNS[bytes[j]];
+                        float *restrict out = c + 8 * j;
+                        if (k == 0)
+                            for (int i = 0; i < 8; i++) out[i] = sign[i] * s;
+                        else
+                            for (int i = 0; i < 8; i++) out[i] += sign[i] * s;
                     }
                 }
-                const uint8_t *kb = keep + start;
-                float *eb = err + start;
+                const uint8_t *restrict kb = keep + start;
+                float *restrict eb = err + start;
                 float w = (float)world;
                 for (int64_t i = 0; i < block; i++) {
-                    float v = eb[i] + (kb[i] ? c[i] / w : 0.0f);
-                    c[i] = v;
-                    terms[i] = rms ? v * v : fabsf(v);
+                    float mean = c[i] / w;
+                    c[i] = eb[i] + (kb[i] ? mean : 0.0f);
                 }
-                float scale = block_scale(terms, block, tile, counts[b], rms);
+                float scale = block_scale(c, terms, block, tile, counts[b], rms);
                 scales[b] = scale;
-                encode(c, kb, scale, block, packed + start / 8, eb);
+                pack_signs(c, block, packed + start / 8);
+                new_error(c, kb, scale, block, eb);
             }
             free(c);
         }
@@ -149,12 +193,38 @@ int onebit_server_compress(const uint8_t *recv_packed, const float *recv_scales,
 /* Final decode into fp32 out[0..n): +-scale where kept, else 0. */
 void onebit_decompress(const uint8_t *packed, const float *scales, const uint8_t *keep,
                        float *out, int64_t n, int64_t blocks, int64_t block, int threads) {
+    init_signs();
 #pragma omp parallel for num_threads(pick_threads(threads, blocks)) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         float s = scales[b];
         int64_t start = b * block;
         int64_t end = start + block < n ? start + block : n;
-        for (int64_t at = start; at < end; at++) {
+        int64_t at = start;
+#ifdef __AVX2__
+        /* Bit i of the byte to lane i, +-s by a blend, masked lanes to +0.0 by an and. */
+        const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+        const __m256 pos = _mm256_set1_ps(s), neg = _mm256_set1_ps(-s);
+        for (; at + 8 <= end; at += 8) {
+            __m256i bits = _mm256_and_si256(_mm256_set1_epi32(packed[at / 8]), lane_bit);
+            __m256 set = _mm256_castsi256_ps(_mm256_cmpeq_epi32(bits, lane_bit));
+            __m256 d = _mm256_blendv_ps(neg, pos, set);
+            int64_t k8;
+            memcpy(&k8, keep + at, sizeof k8);
+            __m256i kept = _mm256_cmpgt_epi32(
+                _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(k8)), _mm256_setzero_si256());
+            _mm256_storeu_ps(out + at, _mm256_and_ps(d, _mm256_castsi256_ps(kept)));
+        }
+#endif
+        for (; at + 8 <= end; at += 8) {
+            const float *restrict sign = SIGNS[packed[at / 8]];
+            const uint8_t *restrict kb = keep + at;
+            float *restrict o = out + at;
+            for (int i = 0; i < 8; i++) {
+                float d = sign[i] * s;
+                o[i] = kb[i] ? d : 0.0f;
+            }
+        }
+        for (; at < end; at++) {
             float d = (packed[at / 8] >> (at % 8)) & 1u ? s : -s;
             out[at] = keep[at] ? d : 0.0f;
         }

@@ -3,8 +3,8 @@
 Every pass here has two compiled twins that give the same bits: Triton kernels for CUDA
 tensors (``onebit_plugin.kernels.sign_compress``) and fused C passes for the CPU
 (``onebit_plugin.kernels.cpu``, the default there when a C compiler is found); these torch
-versions are the reference the kernel tests compare against, and the CPU fallback. The three stages are
-the three passes of the compressed allreduce (docs/design.md, "The algorithm"):
+versions are the reference the kernel tests compare against, and the CPU fallback. The three
+stages are the three passes of the compressed allreduce (docs/design.md, "The algorithm"):
 
 * :func:`worker_compress` -- ``c = (x + error) * mask``, one fp32 scale per block, signs packed
   8 per byte, ``error = c - scale * sign(c) * mask``;
