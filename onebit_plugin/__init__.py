@@ -17,7 +17,7 @@ from onebit_plugin.ddp_hook import OneBitHookState, onebit_hook, register_onebit
 from onebit_plugin.lockstep import LockstepError, check_lockstep
 from onebit_plugin.momentum import MomentumUnit
 from onebit_plugin.optimizer import OneBitAdam
-from onebit_plugin.update import adam_update_, fold_gradient_, frozen_update_
+from onebit_plugin.update import adam_update_, fold_gradient_, frozen_denominator, frozen_update_
 
 __all__ = [
     "ChunkLayout",
@@ -33,6 +33,7 @@ __all__ = [
     "check_lockstep",
     "compressed_allreduce",
     "fold_gradient_",
+    "frozen_denominator",
     "frozen_update_",
     "onebit_hook",
     "register_onebit_hook",

@@ -40,24 +40,28 @@ class MomentumUnit:
     Args:
         params: the unit's parameters, in layout order.
         momenta: their current fp32 momenta (copied in; use :meth:`view` from then on).
+        denoms: their frozen ``sqrt(v_hat) + eps`` (``update.frozen_denominator``), copied in.
         keeps: per parameter, a flat bool tensor: False coordinates keep a zero momentum.
         hypers: per parameter, its optimizer param-group dict (read at every fold, so LR and
             beta schedules take effect).
         comm: the communicator whose plan (layout, mask) and error buffers the unit keeps.
     """
 
-    __slots__ = ("params", "offsets", "hypers", "momentum", "local", "plan", "errors", "masked")
+    __slots__ = ("params", "offsets", "hypers", "momentum", "local", "denom", "plan", "errors",
+                 "masked")
 
-    def __init__(self, params, momenta, keeps, hypers, comm):
+    def __init__(self, params, momenta, denoms, keeps, hypers, comm):
         self.params = list(params)
         self.hypers = dict(zip(self.params, hypers, strict=True))
         numel = sum(p.numel() for p in self.params)
         device = self.params[0].device
         self.momentum = torch.empty(numel, dtype=torch.float32, device=device)
+        self.denom = torch.empty_like(self.momentum)
         self.offsets, offset = {}, 0
-        for p, m in zip(self.params, momenta, strict=True):
+        for p, m, d in zip(self.params, momenta, denoms, strict=True):
             self.offsets[p] = offset
             self.momentum[offset : offset + p.numel()].copy_(m.reshape(-1))
+            self.denom[offset : offset + p.numel()].copy_(d.reshape(-1))
             offset += p.numel()
         keep = torch.cat([k.reshape(-1) for k in keeps])
         masked = keep.logical_not()

@@ -34,7 +34,7 @@ from onebit_plugin.allreduce import (
 from onebit_plugin.compression import SCALE_RULES, ChunkLayout
 from onebit_plugin.freeze import AutoFreeze
 from onebit_plugin.momentum import MomentumUnit, partition
-from onebit_plugin.update import adam_update_, frozen_update_
+from onebit_plugin.update import adam_update_, frozen_denominator, frozen_update_
 
 __all__ = ["OneBitAdam"]
 
@@ -681,6 +681,10 @@ class OneBitAdam(Optimizer):
         negligible = self._negligible_below(beta2) if self.mask_zero_variance else 0.0
         for params in partition(self._trainable(), self._unit_cap_bytes):
             unit = MomentumUnit(params, [self.state[p]["exp_avg"] for p in params],
+                                [frozen_denominator(self.state[p]["exp_avg_sq"],
+                                                    self.state[p]["frozen_step"],
+                                                    beta2=beta2[p], eps=hyper[p]["eps"])
+                                 for p in params],
                                 [self._keep(p, beta2[p], negligible) for p in params],
                                 [hyper[p] for p in params],
                                 self.communicator)
@@ -712,28 +716,38 @@ class OneBitAdam(Optimizer):
         self._skip_streak = 0
         coef = self._clip_coef if self._clip_coef is not None and self._clip_coef < 1 else None
         for unit in self.units:
-            if unit not in averaged and coef is None:
-                unit.momentum.copy_(unit.local)
+            # The new momentum is built in the fold buffer, then copied over the old one: the
+            # fold buffer then holds it too, and serves the update as scratch.
+            if unit in averaged or coef is not None:
+                for p in unit.params:
+                    new = unit.view(p, unit.local)
+                    # The hook handed the average to DDP as p.grad (rounded to p.grad's dtype).
+                    # If something changed it since (torch's clip_grad_norm_, say), identically
+                    # on every rank, p.grad is used, and said.
+                    if unit in averaged and p.grad is not None and \
+                            not torch.equal(p.grad, new.to(p.grad.dtype)):
+                        if not self._said_grad_changed:
+                            self._say_grad_changed()
+                        new.copy_(p.grad)
+                    if coef is not None:
+                        unit.clip_(p, new, coef)
+            unit.momentum.copy_(unit.local)
+        steps = [self.state[p]["step"] for p in self._trainable()]
+        torch._foreach_add_(steps, 1.0)
+        step_of = dict(zip(self._trainable(), torch.stack(steps).tolist(), strict=True))
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.requires_grad]
+            if not params:
                 continue
-            for p in unit.params:
-                new = unit.view(p, unit.local)
-                # The hook handed the average to DDP as p.grad (rounded to p.grad's dtype). If
-                # it is unchanged, the fp32 average is used; if something changed it (torch's
-                # clip_grad_norm_, say), identically on every rank, p.grad is used, and said.
-                if unit in averaged and p.grad is not None and \
-                        not torch.equal(p.grad, new.to(p.grad.dtype)):
-                    if not self._said_grad_changed:
-                        self._say_grad_changed()
-                    new = p.grad
-                if coef is not None:
-                    unit.clip_(p, new, coef)
-                unit.view(p).copy_(new)
-        for p, hyper in self._hyper():
-            state = self.state[p]
-            state["step"] += 1
-            frozen_update_(p, state["exp_avg"], state["exp_avg_sq"], state["step"].item(),
-                           state["frozen_step"], bounded=self.bound_update,
-                           master=self._master(p, state), **hyper)
+            units = [self._unit_of[p] for p in params]
+            frozen_update_(
+                params, [self.state[p]["exp_avg"] for p in params],
+                [u.view(p, u.denom) for u, p in zip(units, params, strict=True)],
+                [step_of[p] for p in params], lr=group["lr"], beta1=group["betas"][0],
+                weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
+                bounded=self.bound_update,
+                masters=[self._master(p, self.state[p]) for p in params],
+                work=[u.view(p, u.local) for u, p in zip(units, params, strict=True)])
 
     # ---------------------------------------------------------------------------- state dict
     def state_dict(self) -> dict:

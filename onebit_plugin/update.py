@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["adam_update_", "clip_folded_", "fold_gradient_", "frozen_update_"]
+__all__ = ["adam_update_", "clip_folded_", "fold_gradient_", "frozen_denominator",
+           "frozen_update_"]
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
@@ -79,30 +80,61 @@ def clip_folded_(
         averaged.add_(_fp32(param), alpha=(1 - coef) * (1 - beta1) * weight_decay)
 
 
+def frozen_denominator(exp_avg_sq: torch.Tensor, frozen_step: float, *, beta2: float,
+                       eps: float) -> torch.Tensor:
+    """``sqrt(v_hat) + eps`` of the variance frozen at ``frozen_step`` (its bias correction
+    frozen with it): the same for the whole compression stage, so computed once."""
+    return (exp_avg_sq.sqrt() / (1 - beta2**frozen_step) ** 0.5).add_(eps)
+
+
 def frozen_update_(
-    param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: float,
-    frozen_step: float, *, lr: float, beta1: float, beta2: float, eps: float,
-    weight_decay: float, decoupled: bool, bounded: bool = False,
-    master: torch.Tensor | None = None,
+    params: list[torch.Tensor], exp_avgs: list[torch.Tensor], denoms: list[torch.Tensor],
+    steps: list[float], *, lr: float, beta1: float, weight_decay: float, decoupled: bool,
+    bounded: bool = True, masters: list[torch.Tensor | None] | None = None,
+    work: list[torch.Tensor] | None = None,
 ) -> None:
-    """The compression-stage update: the averaged momentum over the variance frozen at
-    ``frozen_step`` (its bias correction frozen with it). ``bounded``: the variance is taken as
-    at least ``m_hat**2``, so each coordinate's ``m_hat / (sqrt(v_hat) + eps)`` is clamped to
-    +-1 (``lr`` per step). A second moment is never below the square of a mean of the same
-    gradients (Jensen); a variance frozen before a coordinate's gradients grew (a rare
-    embedding row, attention weights) breaks that, and would let the coordinate run away.
-    The clamp acts on each step's decoded momentum (``+-scale`` per coordinate, right only on
-    average through error feedback), so it also slows coordinates whose true step is inside
-    the bound; docs/design.md, "Bounded steps", measures what that costs."""
-    p = _fp32_param(param, master)
+    """The compression-stage update of one parameter group, multi-tensor: each parameter moves
+    by ``-lr * m_hat / denom`` (``denom`` from :func:`frozen_denominator`, ``m_hat`` the averaged
+    momentum over its bias correction at the parameter's ``step``), with foreach ops (one
+    kernel per operation for the whole group, not one per parameter).
+
+    ``bounded``: the variance is taken as at least ``m_hat**2``, so each coordinate's
+    ``m_hat / denom`` is clamped to +-1 (``lr`` per step). A second moment is never below the
+    square of a mean of the same gradients (Jensen); a variance frozen before a coordinate's
+    gradients grew (a rare embedding row, attention weights) breaks that, and would let the
+    coordinate run away. The clamp acts on each step's decoded momentum (``+-scale`` per
+    coordinate, right only on average through error feedback), so it also slows coordinates
+    whose true step is inside the bound; docs/design.md, "Bounded steps", measures what that
+    costs. ``masters``: fp32 master copies (or None) per parameter. ``work``: tensors equal to
+    ``exp_avgs`` that may be overwritten (the optimizer passes its fold buffer, which holds the
+    averaged momentum by then); without it the ratios are allocated."""
+    masters = masters or [None] * len(params)
+    p32 = [_fp32_param(p, m) for p, m in zip(params, masters, strict=True)]
     if weight_decay != 0 and decoupled:
-        p.mul_(1 - lr * weight_decay)
-    correction = 1 - beta1**step
-    denom = (exp_avg_sq.sqrt() / (1 - beta2**frozen_step) ** 0.5).add_(eps)
-    if bounded:
-        ratio = torch.div(exp_avg, denom, out=denom)
-        # |m_hat / denom| <= 1 is |m / denom| <= 1 - b1**step, before m's bias correction.
-        p.add_(ratio.clamp_(-correction, correction), alpha=-(lr / correction))
+        torch._foreach_mul_(p32, 1 - lr * weight_decay)
+    if work is None:
+        ratios = torch._foreach_div(exp_avgs, denoms)
     else:
-        p.addcdiv_(exp_avg, denom, value=-(lr / correction))
-    _write_back(param, p)
+        ratios = work
+        torch._foreach_div_(ratios, denoms)
+    # Parameters that share a step count (all of them, unless some had no gradient early on)
+    # share the bias correction: one clamp and one scaled add for them together.
+    by_step: dict[float, list[int]] = {}
+    for i, step in enumerate(steps):
+        by_step.setdefault(step, []).append(i)
+    for step, index in by_step.items():
+        correction = 1 - beta1**step
+        these = [ratios[i] for i in index]
+        if bounded:
+            # |m_hat / denom| <= 1 is |m / denom| <= 1 - b1**step, before m's bias correction.
+            # One pass per large tensor; the small ones in two foreach passes (fewer launches).
+            small = [r for r in these if r.numel() < 1 << 16]
+            for r in these:
+                if r.numel() >= 1 << 16:
+                    r.clamp_(-correction, correction)
+            if small:
+                torch._foreach_clamp_min_(small, -correction)
+                torch._foreach_clamp_max_(small, correction)
+        torch._foreach_add_([p32[i] for i in index], these, alpha=-(lr / correction))
+    for param, p in zip(params, p32, strict=True):
+        _write_back(param, p)

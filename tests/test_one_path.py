@@ -8,7 +8,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from onebit_plugin import OneBitAdam, adam_update_, fold_gradient_, frozen_update_
+from onebit_plugin import (
+    OneBitAdam,
+    adam_update_,
+    fold_gradient_,
+    frozen_denominator,
+    frozen_update_,
+)
 from onebit_plugin.ddp_hook import register_onebit_hook
 from tests.dist_helpers import assert_ranks_identical, run_ranks
 
@@ -84,8 +90,9 @@ def _exact_reference(rank):
             dist.all_reduce(local)
             local.div_(world).masked_fill_(v == 0, 0.0)  # never-seen coordinates stay masked
             m.copy_(local)
-            frozen_update_(p.data, m, v, step, FREEZE, lr=LR, beta1=0.9, beta2=0.999,
-                           eps=1e-8, weight_decay=0.01, decoupled=False, bounded=True)
+            denom = frozen_denominator(v, FREEZE, beta2=0.999, eps=1e-8)
+            frozen_update_([p.data], [m], [denom], [step], lr=LR, beta1=0.9,
+                           weight_decay=0.01, decoupled=False, bounded=True)
     return [p.detach().clone() for p in params]
 
 
