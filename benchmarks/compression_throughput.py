@@ -36,7 +36,7 @@ def main() -> None:
     p.add_argument("--numel", type=int, default=8 * 2**20)
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--max-block", type=int, default=2048)
-    p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--repeat", type=int, default=30)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)

@@ -1,7 +1,7 @@
 """What the CPU cannot show, on one GPU (run by benchmarks/gpu_check.sh; docs/benchmarks.md).
 
-1. The compiled Triton kernels against the torch reference on the GPU: packed bits and decoded
-   values exactly equal, scales and errors within the reduction-order tolerance, for ragged sizes
+1. The compiled Triton kernels against the CPU reference: packed bits, scales, errors and
+   decoded values exactly equal (the block sum's order is part of the reference), for ragged sizes
    up to 1M values and one over 2**31, world sizes 1-8, fp32/bf16/fp16 inputs, with masks.
 2. Each kernel's throughput against the device's copy bandwidth.
 3. OneBitAdam end to end on the GPU: warm-up and compression stage on one process, the step
@@ -32,8 +32,6 @@ import torch
 
 from onebit_plugin import compression as ref
 from onebit_plugin.compression import ChunkLayout, CoordinateMask
-
-RTOL, ATOL = 1e-5, 1e-6  # as tests/test_kernels.py: the block sum's order differs
 
 
 def _data(numel: int, world: int, block: int, dtype, device, seed: int):
@@ -78,8 +76,8 @@ def kernels_against_reference(device, sizes, worlds, dtypes, kernels) -> list[di
                     kernels.worker_compress(x, err, mask, layout, packed, scales)
                     p1, s1, e1 = packed.cpu(), scales.cpu(), err.cpu()
                     row["worker_bits_equal"] = bool(torch.equal(p0, p1))
-                    torch.testing.assert_close(s1, s0, rtol=RTOL, atol=ATOL)
-                    torch.testing.assert_close(e1, e0, rtol=RTOL, atol=ATOL)
+                    row["worker_scales_errors_equal"] = bool(torch.equal(s0, s1) and
+                                                             torch.equal(e0, e1))
                     del e0, e1, x, error
                     if world > 1:
                         chunk, blocks = layout.chunk, layout.blocks_per_chunk
@@ -98,8 +96,8 @@ def kernels_against_reference(device, sizes, worlds, dtypes, kernels) -> list[di
                                                 scales)
                         p1, s1, e1 = packed.cpu(), scales.cpu(), err.cpu()
                         row["server_bits_equal"] = bool(torch.equal(p0, p1))
-                        torch.testing.assert_close(s1, s0, rtol=RTOL, atol=ATOL)
-                        torch.testing.assert_close(e1, e0, rtol=RTOL, atol=ATOL)
+                        row["server_scales_errors_equal"] = bool(torch.equal(s0, s1) and
+                                                                 torch.equal(e0, e1))
                     scales = torch.rand(layout.num_blocks, device=device)
                     packed = torch.randint(0, 256, (layout.padded_numel // 8,), dtype=torch.uint8,
                                            device=device)
@@ -108,8 +106,7 @@ def kernels_against_reference(device, sizes, worlds, dtypes, kernels) -> list[di
                     kernels.decompress(packed, scales, mask, layout, out)
                     # On a GPU both round fp32 to the output dtype to nearest: exactly equal.
                     row["decoded_equal"] = bool(torch.equal(out0, out.cpu()))
-                    row["ok"] = row["worker_bits_equal"] and row["decoded_equal"] and \
-                        row.get("server_bits_equal", True)
+                    row["ok"] = all(v for k, v in row.items() if k.endswith("equal"))
                 except Exception as exc:  # noqa: BLE001 - reported, the check goes on
                     row["ok"], row["error"] = False, f"{type(exc).__name__}: {exc}"[:500]
                 rows.append(row)

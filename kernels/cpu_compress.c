@@ -61,29 +61,59 @@ static float block_scale(const float *restrict c, float *restrict terms, int64_t
     return rms ? (float)sqrt((double)mean) : mean;
 }
 
-/* Byte k of packed: bit i set where c[8k+i] >= 0 (so -0.0 too). */
-static void pack_signs(const float *restrict c, int64_t block, uint8_t *restrict packed) {
+/* Byte k of packed: bit i set where c[8k+i] >= 0 (so -0.0 too); err = c - decode, 0 where
+ * masked. One loop over the block's bytes. */
+static void encode(const float *restrict c, const uint8_t *restrict keep, float scale,
+                   int64_t block, uint8_t *restrict packed, float *restrict err) {
     int64_t k = 0;
 #ifdef __AVX2__
     const __m256 zero = _mm256_setzero_ps();
-    for (; k < block / 8; k++)
-        packed[k] = (uint8_t)_mm256_movemask_ps(
-            _mm256_cmp_ps(_mm256_loadu_ps(c + 8 * k), zero, _CMP_GE_OQ));
+    const __m256 pos = _mm256_set1_ps(scale), neg = _mm256_set1_ps(-scale);
+    for (; k < block / 8; k++) {
+        __m256 v = _mm256_loadu_ps(c + 8 * k);
+        __m256 ge = _mm256_cmp_ps(v, zero, _CMP_GE_OQ);
+        packed[k] = (uint8_t)_mm256_movemask_ps(ge);
+        __m256 left = _mm256_sub_ps(v, _mm256_blendv_ps(neg, pos, ge));
+        int64_t k8;
+        memcpy(&k8, keep + 8 * k, sizeof k8);
+        __m256i kept = _mm256_cmpgt_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(k8)),
+                                          _mm256_setzero_si256());
+        _mm256_storeu_ps(err + 8 * k, _mm256_and_ps(left, _mm256_castsi256_ps(kept)));
+    }
 #endif
     for (; k < block / 8; k++) {
         unsigned byte = 0;
-        for (int i = 0; i < 8; i++) byte |= (unsigned)(c[8 * k + i] >= 0.0f) << i;
+        for (int i = 0; i < 8; i++) {
+            float v = c[8 * k + i];
+            byte |= (unsigned)(v >= 0.0f) << i;
+            float left = v - (v >= 0.0f ? scale : -scale);
+            err[8 * k + i] = keep[8 * k + i] ? left : 0.0f;
+        }
         packed[k] = (uint8_t)byte;
     }
 }
 
-/* The new error c - decode, 0 where masked. */
-static void new_error(const float *restrict c, const uint8_t *restrict keep, float scale,
-                      int64_t block, float *restrict err) {
-    for (int64_t i = 0; i < block; i++) {
-        float v = c[i];
-        float left = v - (v >= 0.0f ? scale : -scale);
-        err[i] = keep[i] ? left : 0.0f;
+/* +-s per bit of bytes[0..nbytes) into out (add: onto out), in rank order as the reference. */
+static void decode_add(const uint8_t *restrict bytes, float s, int64_t nbytes,
+                       float *restrict out, int add) {
+    int64_t j = 0;
+#ifdef __AVX2__
+    const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256 pos = _mm256_set1_ps(s), neg = _mm256_set1_ps(-s);
+    for (; j < nbytes; j++) {
+        __m256i bits = _mm256_and_si256(_mm256_set1_epi32(bytes[j]), lane_bit);
+        __m256 d = _mm256_blendv_ps(
+            neg, pos, _mm256_castsi256_ps(_mm256_cmpeq_epi32(bits, lane_bit)));
+        if (add) d = _mm256_add_ps(_mm256_loadu_ps(out + 8 * j), d);
+        _mm256_storeu_ps(out + 8 * j, d);
+    }
+#endif
+    for (; j < nbytes; j++) {
+        const float *restrict sign = SIGNS[bytes[j]];
+        for (int i = 0; i < 8; i++) {
+            float d = sign[i] * s;
+            out[8 * j + i] = add ? out[8 * j + i] + d : d;
+        }
     }
 }
 
@@ -131,8 +161,7 @@ int onebit_worker_compress(const void *x, int x_bf16, int64_t n, float *err, con
                 }
                 float scale = block_scale(c, terms, block, tile, counts[b], rms);
                 scales[b] = scale;
-                pack_signs(c, block, packed + start / 8);
-                new_error(c, kb, scale, block, eb);
+                encode(c, kb, scale, block, packed + start / 8, eb);
             }
             free(c);
         }
@@ -163,14 +192,7 @@ int onebit_server_compress(const uint8_t *recv_packed, const float *recv_scales,
                 for (int64_t k = 0; k < world; k++) {
                     const uint8_t *bytes = recv_packed + k * chunk_bytes + start / 8;
                     float s = recv_scales[k * blocks_per_chunk + b];
-                    for (int64_t j = 0; j < block / 8; j++) {
-                        const float *restrict sign = SIGNS[bytes[j]];
-                        float *restrict out = c + 8 * j;
-                        if (k == 0)
-                            for (int i = 0; i < 8; i++) out[i] = sign[i] * s;
-                        else
-                            for (int i = 0; i < 8; i++) out[i] += sign[i] * s;
-                    }
+                    decode_add(bytes, s, block / 8, c, k > 0);
                 }
                 const uint8_t *restrict kb = keep + start;
                 float *restrict eb = err + start;
@@ -181,8 +203,7 @@ int onebit_server_compress(const uint8_t *recv_packed, const float *recv_scales,
                 }
                 float scale = block_scale(c, terms, block, tile, counts[b], rms);
                 scales[b] = scale;
-                pack_signs(c, block, packed + start / 8);
-                new_error(c, kb, scale, block, eb);
+                encode(c, kb, scale, block, packed + start / 8, eb);
             }
             free(c);
         }
