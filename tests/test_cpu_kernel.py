@@ -12,6 +12,7 @@ import torch
 from onebit_plugin import compression as C
 from onebit_plugin.compression import ChunkLayout, CoordinateMask
 from onebit_plugin.kernels import cpu
+from tests.procs import owned_processes
 
 if cpu.library() is None:  # said in the log: this machine has no C compiler
     pytest.skip("the CPU kernel could not be built here", allow_module_level=True)
@@ -127,11 +128,12 @@ _CHILD = textwrap.dedent("""
 
 
 def _child(env):
-    env = {**os.environ, **env}
-    proc = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout.split(), proc.stderr
+    with owned_processes() as start:
+        proc = start([sys.executable, "-c", _CHILD], env={**os.environ, **env},
+                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    return out.split(), err
 
 
 def test_first_build_is_cached(tmp_path):
