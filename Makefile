@@ -46,9 +46,10 @@ bench: $(STAMP)
 	$(PY) benchmarks/cluster.py --workload compute
 	benchmarks/accuracy.sh
 
-# Accuracy against bytes (about 10 minutes on 2 cores): Adam, 1-bit Adam (fixed freeze and
+# Accuracy against bytes (about 25 minutes on 2 cores): Adam, 1-bit Adam (fixed freeze and
 # freeze_step="auto"), fp16 and PowerSGD on a char-level GPT, a word-embedding model and
-# scikit-learn's digits, 3 seeds, 2 gloo ranks; table and plot in docs/benchmarks.md.
+# scikit-learn's digits, 3 seeds, 2 gloo ranks, and 1-bit with clipping and with bf16
+# parameters; table and plot in docs/benchmarks.md.
 fidelity: $(STAMP)
 	$(PY) -m pip install -q -e ".[dev,bench]"
 	$(PY) benchmarks/fidelity.py

@@ -14,7 +14,7 @@ rank's process wrote during training, from ``/proc/self/io`` (the kernel's count
 writes included), not the package's counters. Writes ``benchmarks/results/fidelity.json``, a
 markdown table on stdout and ``docs/fidelity_loss_vs_bytes.png``.
 
-    .venv/bin/python benchmarks/fidelity.py            # make fidelity: about 10 minutes, 2 cores
+    .venv/bin/python benchmarks/fidelity.py            # make fidelity: about 25 minutes, 2 cores
 """
 
 from __future__ import annotations

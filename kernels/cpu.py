@@ -5,10 +5,10 @@ backward's Python).
 The library is built on first use into ``$XDG_CACHE_HOME/onebit_plugin`` (default
 ``~/.cache/onebit_plugin``), keyed by the source, the flags, the compiler's version and the CPU's
 feature flags (``-march=native``); concurrent builds by several ranks each write their own file
-and rename it into place. Without a compiler (``$CC``, else ``cc``/``gcc``), or when the build
-fails, :func:`library` returns None once it has said so in one log line, and the torch passes of
-``onebit_plugin.compression`` run instead (the same bits, slower). ``ONEBIT_CPU_KERNEL=0``
-chooses the torch passes.
+and rename it into place. Without a compiler (``$CC`` when it names one on ``PATH``, else
+``cc``/``gcc``), or when the build fails, :func:`library` returns None once it has said so in
+one log line per process, and the torch passes of ``onebit_plugin.compression`` run instead
+(the same bits, slower). ``ONEBIT_CPU_KERNEL=0`` chooses the torch passes.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-mat
 PARALLEL_FROM = 1 << 20
 
 _state: dict = {}
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
 def _compiler() -> str | None:
@@ -98,8 +99,11 @@ def library() -> ctypes.CDLL | None:
     if "lib" in _state:
         return _state["lib"]
     lib, why = None, None
-    if os.environ.get("ONEBIT_CPU_KERNEL", "1").strip() in ("0", "false", "no", "off"):
-        why = "ONEBIT_CPU_KERNEL=0"
+    setting = os.environ.get("ONEBIT_CPU_KERNEL", "1").strip().lower()
+    if setting not in _ON + _OFF:  # the same words as every ONEBIT_* flag
+        raise ValueError(f"ONEBIT_CPU_KERNEL must be 1 or 0 (true/false), got {setting!r}")
+    if setting in _OFF:
+        why = f"ONEBIT_CPU_KERNEL={os.environ['ONEBIT_CPU_KERNEL']!r}"
     elif (cc := _compiler()) is None:
         why = "no C compiler found ($CC, cc, gcc)"
     else:
@@ -107,9 +111,9 @@ def library() -> ctypes.CDLL | None:
             lib = _bind(ctypes.CDLL(str(_build(cc))))
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
             why = f"building {SOURCE.name} failed: {exc}"
-    if lib is None:
+    if lib is None:  # said once per process
         log.warning("onebit: %s; the CPU compression runs as torch passes (the same bits, "
-                    "several times slower)", why)
+                    "3-6x slower per pass)", why)
     _state["lib"] = lib
     return lib
 

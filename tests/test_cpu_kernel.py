@@ -136,6 +136,13 @@ def _child(env):
     return out.split(), err
 
 
+def test_a_bad_setting_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("ONEBIT_CPU_KERNEL", "fast")
+    monkeypatch.setattr(cpu, "_state", {})
+    with pytest.raises(ValueError, match="ONEBIT_CPU_KERNEL must be 1 or 0 .+ got 'fast'"):
+        cpu.library()
+
+
 def test_first_build_is_cached(tmp_path):
     (backend, seconds), said = _child({"XDG_CACHE_HOME": str(tmp_path)})
     built = list((tmp_path / "onebit_plugin").glob("cpu_compress_*.so"))
@@ -149,7 +156,8 @@ def test_first_build_is_cached(tmp_path):
 
 @pytest.mark.parametrize("env,reason", [
     ({"CC": "/nonexistent/cc", "PATH": "/nonexistent"}, "no C compiler found"),
-    ({"ONEBIT_CPU_KERNEL": "0"}, "ONEBIT_CPU_KERNEL=0"),
+    ({"ONEBIT_CPU_KERNEL": "0"}, "ONEBIT_CPU_KERNEL='0'"),
+    ({"ONEBIT_CPU_KERNEL": "False"}, "ONEBIT_CPU_KERNEL='False'"),
 ])
 def test_without_the_kernel_the_torch_passes_run_and_it_is_said_once(tmp_path, env, reason):
     (backend, _), said = _child({"XDG_CACHE_HOME": str(tmp_path), **env})

@@ -53,3 +53,22 @@ def test_master_weights_resume_continues_bitwise():
 def test_master_weights_only_for_low_precision(dtype):
     _, w, opt = _run(dtype, True, steps=2)
     assert ("master" in opt.state[w]) == (dtype != torch.float32)
+
+
+def test_a_master_is_dropped_when_loaded_without_master_weights(caplog):
+    _, w, opt = _run(torch.bfloat16, True, steps=12)
+    saved = opt.state_dict()
+    plain = OneBitAdam([w], lr=LR, freeze_step=10)
+    with caplog.at_level("WARNING", logger="onebit_plugin"):
+        plain.load_state_dict(saved)
+    assert "master" not in plain.state[w]
+    assert sum("master copies" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_low_precision_parameters_without_master_weights_are_said(caplog):
+    w = torch.zeros(4, dtype=torch.bfloat16, requires_grad=True)
+    with caplog.at_level("WARNING", logger="onebit_plugin"):
+        OneBitAdam([w], freeze_step=2)
+        OneBitAdam([w], freeze_step=2, master_weights=True)
+    said = [r.getMessage() for r in caplog.records if "master_weights=True" in r.getMessage()]
+    assert len(said) == 1 and "torch.bfloat16" in said[0]
