@@ -34,6 +34,7 @@ from onebit_plugin.allreduce import (
 from onebit_plugin.compression import SCALE_RULES, ChunkLayout
 from onebit_plugin.freeze import AutoFreeze
 from onebit_plugin.momentum import MomentumUnit, partition
+from onebit_plugin.norm_sketch import NormSketch, sketch_width, squared_norm
 from onebit_plugin.update import adam_update_, frozen_denominator, frozen_update_
 
 __all__ = ["OneBitAdam"]
@@ -213,6 +214,8 @@ class OneBitAdam(Optimizer):
         self._settings_checked = False
         self._hook_params: set | None = None  # what the DDP hook averages, once registered
         self._local_norms: dict = {}  # param: norm of the local gradient the hook folded
+        self._sketches: dict = {}  # param: its local gradient's NormSketch, once clipping is on
+        self._norm_sketch: NormSketch | None = None  # made at the first clip_grad_norm_
         self._clip_coef: float | None = None  # set by clip_grad_norm_ for this step
         self._grads_averaged = False  # by clip_grad_norm_ in warm-up, before step()
         self._said_grad_changed = False
@@ -319,6 +322,8 @@ class OneBitAdam(Optimizer):
         norm is kept for :meth:`clip_grad_norm_`, since ``p.grad`` will hold the averaged
         momentum before anyone can clip it."""
         self._local_norms[p] = torch.linalg.vector_norm(grad, dtype=torch.float32)
+        if self._norm_sketch is not None:
+            self._sketches[p] = self._norm_sketch.of(p, grad)
 
     # ------------------------------------------------------------------------------- clipping
     @torch.no_grad()
@@ -331,13 +336,13 @@ class OneBitAdam(Optimizer):
         Warm-up: the averaged gradients are clipped (averaged here first when OneBitAdam
         averages them itself), exactly torch's clipping. Compression stage: no rank has the
         averaged gradient, only its local one, already folded into the momentum by the DDP hook.
-        Every rank takes the same coefficient ``max_norm / norm`` with ``norm`` the mean of the
-        ranks' local gradient norms (one scalar allreduce), an upper bound of the averaged
-        gradient's norm (triangle inequality), and ``step()`` scales the gradient inside the
-        averaged momentum by it: the momentum Adam would have after clipping with that norm,
-        identical on every rank. With noisy gradients the mean local norm exceeds the averaged
-        gradient's (by up to sqrt(world size)), so clipping acts somewhat earlier than under DDP
-        (docs/design.md, "Clipping").
+        Every rank takes the same coefficient ``max_norm / norm``, with ``norm`` estimated
+        without bias from a sketch of each rank's local gradient (``onebit_plugin.norm_sketch``:
+        one allreduce of 256-4096 values, a few percent of error), and ``step()`` scales the
+        gradient inside the averaged momentum by it: the momentum Adam would have after clipping
+        by that norm, identical on every rank (docs/design.md, "Clipping"). The first
+        compression-stage call of a process that never clipped before (a run resumed there)
+        has no sketches yet and uses the mean of the ranks' local norms, an upper bound.
 
         ``params``, when given, must be the optimizer's trainable parameters (a clip over a
         subset has no compression-stage counterpart)."""
@@ -356,6 +361,10 @@ class OneBitAdam(Optimizer):
                     f"{len(given - set(trainable))} of them not the optimizer's: in the "
                     "compression stage only the whole gradient's norm can be clipped")
         device = trainable[0].device if trainable else torch.device("cpu")
+        first = self._norm_sketch is None  # from now on the hook sketches what it folds
+        if first:
+            self._norm_sketch = NormSketch(trainable,
+                                           sketch_width(sum(p.numel() for p in trainable)))
         if self.switch_step is None:
             if self.average_grads and self.world_size > 1 and not self._grads_averaged:
                 self._average_gradients()
@@ -365,20 +374,31 @@ class OneBitAdam(Optimizer):
                 return torch.zeros((), device=device)
             return torch.nn.utils.clip_grad_norm_(trainable, max_norm)
         # Per parameter, in the same order on every path: the same bits whoever folded.
+        local = [p for p in trainable if p in self._local_norms or p.grad is not None]
+        # One rank's local gradient is the gradient: its norm is exact. Else the sketch, unless
+        # the hook folded this step's gradients before any sketch was asked for.
+        sketched = self.world_size > 1 and not (first and self._local_norms)
         norms = [self._local_norms[p] if p in self._local_norms
-                 else torch.linalg.vector_norm(p.grad, dtype=torch.float32)
-                 for p in trainable if p in self._local_norms or p.grad is not None]
-        local = (torch.linalg.vector_norm(torch.stack(norms)) if norms
-                 else torch.zeros((), device=device)).reshape(1)
+                 else torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in local]
+        width = self._norm_sketch.width
+        sketch = torch.zeros(width, device=device)
+        if sketched and local:
+            sketch = torch.stack([self._sketches[p] if p in self._sketches
+                                  else self._norm_sketch.of(p, p.grad) for p in local]).sum(0)
+        norm_sum = (torch.linalg.vector_norm(torch.stack(norms)) if norms
+                    else torch.zeros((), device=device)).reshape(1)
+        both = torch.cat([sketch, norm_sum])
         if self.world_size > 1:
-            work = dist.all_reduce(local, group=self.comm_group, async_op=True)
+            work = dist.all_reduce(both, group=self.comm_group, async_op=True)
             wait_collectives([work], self.comm_timeout, "the clipping norm's allreduce",
                              self.comm_group)
-            local /= self.world_size
-        norm = float(local)
+            both /= self.world_size
+            self.communicator.bytes_sent += _ring_bytes(both.nbytes, self.world_size)
+        estimate = squared_norm(both[:width]).sqrt() if sketched else both[width]
+        norm = float(estimate)
         # Non-finite: step() skips this step on every rank anyway.
         self._clip_coef = min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(norm) else None
-        return local.reshape(())
+        return estimate.reshape(())
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Always a ``ValueError``: clamping the averaged gradient's coordinates has no
@@ -430,7 +450,7 @@ class OneBitAdam(Optimizer):
                 self._freeze()
         else:
             self._compression_step()
-        self._local_norms, self._clip_coef = {}, None
+        self._local_norms, self._sketches, self._clip_coef = {}, {}, None
         return loss
 
     def _check_trainable(self, trainable: list[torch.Tensor]) -> None:
