@@ -10,9 +10,9 @@ optimizer's stage, the way torch's ``PowerSGDState.start_powerSGD_iter`` switche
   unit is averaged on the process group's background thread while backward goes on. The
   averaged momentum comes back as the bucket's "gradient" and ``OneBitAdam.step()`` takes it
   from ``p.grad``. Gradient clipping must therefore go through
-  ``OneBitAdam.clip_grad_norm_``, which clips the gradient inside the momentum using the local
-  gradients' norms the hook noted; torch's ``clip_grad_norm_`` on ``p.grad`` would clip the
-  momentum itself (``step()`` says so once).
+  ``OneBitAdam.clip_grad_norm_``, which clips the gradient inside the momentum using the
+  norms and sketches of the local gradients the hook noted; torch's ``clip_grad_norm_`` on
+  ``p.grad`` would clip the momentum itself (``step()`` says so once).
 
 With ``overlap=False`` the compression-stage hook passes the local gradients through and
 ``step()`` folds and averages the same units itself: the same numbers, without the overlap.
