@@ -210,6 +210,7 @@ class OneBitAdam(Optimizer):
         self._saved: dict = {}  # units' errors and counters from a checkpoint, until built
         self._averaged: dict[MomentumUnit, bool] = {}  # by the DDP hook, this iteration
         self._warmup_sent = self._warmup_dense = 0
+        self._clip_sent = 0  # the compression stage's clipping-norm allreduces
         self._grad_flat: torch.Tensor | None = None
         self._settings_checked = False
         self._hook_params: set | None = None  # what the DDP hook averages, once registered
@@ -259,7 +260,7 @@ class OneBitAdam(Optimizer):
 
     @property
     def bytes_sent(self) -> int:
-        return self._warmup_sent + self._compression_counts()[0]
+        return self._warmup_sent + self._compression_counts()[0] + self._clip_sent
 
     @property
     def dense_bytes(self) -> int:
@@ -393,7 +394,7 @@ class OneBitAdam(Optimizer):
             wait_collectives([work], self.comm_timeout, "the clipping norm's allreduce",
                              self.comm_group)
             both /= self.world_size
-            self.communicator.bytes_sent += _ring_bytes(both.nbytes, self.world_size)
+            self._clip_sent += _ring_bytes(both.nbytes, self.world_size)
         estimate = squared_norm(both[:width]).sqrt() if sketched else both[width]
         norm = float(estimate)
         # Non-finite: step() skips this step on every rank anyway.
@@ -797,6 +798,7 @@ class OneBitAdam(Optimizer):
                 "switch_step": self.switch_step, "skipped_steps": self.skipped_steps,
                 "world_size": self.world_size, "unit_cap_bytes": self._unit_cap_bytes,
                 "warmup_counts": (self._warmup_sent, self._warmup_dense),
+                "clip_bytes": self._clip_sent,
                 "compression_counts": self._compression_counts(), "units": units}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -857,6 +859,7 @@ class OneBitAdam(Optimizer):
             self.auto_freeze.load_state_dict(auto, [p.device for p in self._trainable()])
         self.skipped_steps = int(onebit["skipped_steps"])
         self._warmup_sent, self._warmup_dense = onebit["warmup_counts"]
+        self._clip_sent = int(onebit.get("clip_bytes", 0))  # absent before 2026-12-01
         self._comm = None
         self._saved = {"counts": tuple(onebit["compression_counts"])}
         if onebit["units"] is not None:
