@@ -217,6 +217,7 @@ class OneBitAdam(Optimizer):
         self._local_norms: dict = {}  # param: norm of the local gradient the hook folded
         self._sketches: dict = {}  # param: its local gradient's NormSketch, once clipping is on
         self._norm_sketch: NormSketch | None = None  # made at the first clip_grad_norm_
+        self._said_late_clip = False
         self._clip_coef: float | None = None  # set by clip_grad_norm_ for this step
         self._grads_averaged = False  # by clip_grad_norm_ in warm-up, before step()
         self._said_grad_changed = False
@@ -322,9 +323,10 @@ class OneBitAdam(Optimizer):
         """The DDP hook is about to fold ``p``'s local gradient in the compression stage: its
         norm is kept for :meth:`clip_grad_norm_`, since ``p.grad`` will hold the averaged
         momentum before anyone can clip it."""
+        if self._norm_sketch is None:  # nobody clips: no pass over the gradients
+            return
         self._local_norms[p] = torch.linalg.vector_norm(grad, dtype=torch.float32)
-        if self._norm_sketch is not None:
-            self._sketches[p] = self._norm_sketch.of(p, grad)
+        self._sketches[p] = self._norm_sketch.of(p, grad)
 
     # ------------------------------------------------------------------------------- clipping
     @torch.no_grad()
@@ -341,9 +343,10 @@ class OneBitAdam(Optimizer):
         without bias from a sketch of each rank's local gradient (``onebit_plugin.norm_sketch``:
         one allreduce of 256-4096 values, a few percent of error), and ``step()`` scales the
         gradient inside the averaged momentum by it: the momentum Adam would have after clipping
-        by that norm, identical on every rank (docs/design.md, "Clipping"). The first
-        compression-stage call of a process that never clipped before (a run resumed there)
-        has no sketches yet and uses the mean of the ranks' local norms, an upper bound.
+        by that norm, identical on every rank (docs/design.md, "Clipping"). The hook sketches
+        the gradients it folds only once clipping was asked for (checkpoints remember it): a
+        first call in the compression stage under the DDP hook, whose gradients are already
+        folded, does not clip that step, returns nan and says so.
 
         ``params``, when given, must be the optimizer's trainable parameters (a clip over a
         subset has no compression-stage counterpart)."""
@@ -362,10 +365,8 @@ class OneBitAdam(Optimizer):
                     f"{len(given - set(trainable))} of them not the optimizer's: in the "
                     "compression stage only the whole gradient's norm can be clipped")
         device = trainable[0].device if trainable else torch.device("cpu")
-        first = self._norm_sketch is None  # from now on the hook sketches what it folds
-        if first:
-            self._norm_sketch = NormSketch(trainable,
-                                           sketch_width(sum(p.numel() for p in trainable)))
+        late = self._norm_sketch is None and bool(self._averaged)  # folded, never sketched
+        self._start_sketching()
         if self.switch_step is None:
             if self.average_grads and self.world_size > 1 and not self._grads_averaged:
                 self._average_gradients()
@@ -374,32 +375,42 @@ class OneBitAdam(Optimizer):
             if not grads:
                 return torch.zeros((), device=device)
             return torch.nn.utils.clip_grad_norm_(trainable, max_norm)
+        if late:  # the same on every rank: the hook ran, and nobody had clipped, everywhere
+            if not self._said_late_clip:
+                self._said_late_clip = True
+                log.warning("onebit: clip_grad_norm_ was first called in the compression stage, "
+                            "after the DDP hook had folded this step's gradients unsketched: "
+                            "this step is not clipped (nan returned); the next ones are")
+            return torch.full((), math.nan, device=device)
         # Per parameter, in the same order on every path: the same bits whoever folded.
         local = [p for p in trainable if p in self._local_norms or p.grad is not None]
-        # One rank's local gradient is the gradient: its norm is exact. Else the sketch, unless
-        # the hook folded this step's gradients before any sketch was asked for.
-        sketched = self.world_size > 1 and not (first and self._local_norms)
-        norms = [self._local_norms[p] if p in self._local_norms
-                 else torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in local]
-        width = self._norm_sketch.width
-        sketch = torch.zeros(width, device=device)
-        if sketched and local:
-            sketch = torch.stack([self._sketches[p] if p in self._sketches
-                                  else self._norm_sketch.of(p, p.grad) for p in local]).sum(0)
-        norm_sum = (torch.linalg.vector_norm(torch.stack(norms)) if norms
-                    else torch.zeros((), device=device)).reshape(1)
-        both = torch.cat([sketch, norm_sum])
-        if self.world_size > 1:
-            work = dist.all_reduce(both, group=self.comm_group, async_op=True)
+        if self.world_size == 1:  # the local gradient is the gradient: its norm is exact
+            norms = [self._local_norms.get(p, None) for p in local]
+            norms = [n if n is not None else torch.linalg.vector_norm(p.grad, dtype=torch.float32)
+                     for n, p in zip(norms, local, strict=True)]
+            estimate = (torch.linalg.vector_norm(torch.stack(norms)) if norms
+                        else torch.zeros((), device=device))
+        else:
+            sketch = torch.zeros(self._norm_sketch.width, device=device)
+            if local:
+                sketch = torch.stack([self._sketches[p] if p in self._sketches
+                                      else self._norm_sketch.of(p, p.grad)
+                                      for p in local]).sum(0)
+            work = dist.all_reduce(sketch, group=self.comm_group, async_op=True)
             wait_collectives([work], self.comm_timeout, "the clipping norm's allreduce",
                              self.comm_group)
-            both /= self.world_size
-            self._clip_sent += _ring_bytes(both.nbytes, self.world_size)
-        estimate = squared_norm(both[:width]).sqrt() if sketched else both[width]
+            self._clip_sent += _ring_bytes(sketch.nbytes, self.world_size)
+            estimate = squared_norm(sketch.div_(self.world_size)).sqrt()
         norm = float(estimate)
         # Non-finite: step() skips this step on every rank anyway.
         self._clip_coef = min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(norm) else None
         return estimate.reshape(())
+
+    def _start_sketching(self) -> None:
+        if self._norm_sketch is None:  # from now on the hook sketches what it folds
+            trainable = self._trainable()
+            self._norm_sketch = NormSketch(trainable,
+                                           sketch_width(sum(p.numel() for p in trainable)))
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Always a ``ValueError``: clamping the averaged gradient's coordinates has no
@@ -798,7 +809,7 @@ class OneBitAdam(Optimizer):
                 "switch_step": self.switch_step, "skipped_steps": self.skipped_steps,
                 "world_size": self.world_size, "unit_cap_bytes": self._unit_cap_bytes,
                 "warmup_counts": (self._warmup_sent, self._warmup_dense),
-                "clip_bytes": self._clip_sent,
+                "clip_bytes": self._clip_sent, "clipping": self._norm_sketch is not None,
                 "compression_counts": self._compression_counts(), "units": units}
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -860,6 +871,8 @@ class OneBitAdam(Optimizer):
         self.skipped_steps = int(onebit["skipped_steps"])
         self._warmup_sent, self._warmup_dense = onebit["warmup_counts"]
         self._clip_sent = int(onebit.get("clip_bytes", 0))  # absent before 2026-12-01
+        if onebit.get("clipping"):  # so that the hook sketches the first resumed step too
+            self._start_sketching()
         self._comm = None
         self._saved = {"counts": tuple(onebit["compression_counts"])}
         if onebit["units"] is not None:

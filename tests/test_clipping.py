@@ -2,6 +2,7 @@
 momentum clipped in the compression stage, the same bits on every path."""
 
 import logging
+import math
 
 import pytest
 import torch
@@ -170,6 +171,32 @@ def _torch_clip_worker(rank, world):
 def test_torch_clipping_of_the_averaged_momentum_is_said_once():
     for said in run_ranks(_torch_clip_worker, 2):
         assert len(said) == 1 and "optimizer.clip_grad_norm_(max_norm)" in said[0]
+
+
+def _late_clip_worker(rank, world):
+    model = DDP(_mlp())
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    register_onebit_hook(model, opt)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("onebit_plugin").addHandler(handler)
+    norms = []
+    for step in range(5):
+        opt.zero_grad()
+        _backward(model, rank, step)
+        if step >= 3:  # first clip in the compression stage: the hook folded unsketched
+            norms.append(float(opt.clip_grad_norm_(MAX_NORM)))
+        opt.step()
+    said = [r.getMessage() for r in records if "first called in the compression" in
+            r.getMessage()]
+    return norms, said, opt.state_dict()["onebit"]["clipping"]
+
+
+def test_a_first_clip_in_the_compression_stage_is_said_and_remembered():
+    for norms, said, remembered in run_ranks(_late_clip_worker, 2):
+        assert math.isnan(norms[0]) and math.isfinite(norms[1]) and norms[1] > 0
+        assert len(said) == 1 and remembered is True
 
 
 def test_bad_clipping_arguments_are_clear_errors():
