@@ -77,6 +77,35 @@ def run_config(config, hosts, args, out: Path) -> dict:
     return record
 
 
+def merge_rounds(runs: list[dict]) -> dict:
+    """One record from the rounds of one configuration: the first round's record (its losses
+    and bytes; every round trains the same numbers), with each stage's step time, the phases
+    the calibration C and M and the compression work and waiting as medians over the rounds,
+    and every round's step times kept
+    in ``rounds_step_s``."""
+    def median(values):
+        values = sorted(values)
+        return values[len(values) // 2] if len(values) % 2 else sum(
+            values[len(values) // 2 - 1:len(values) // 2 + 1]) / 2
+
+    merged = dict(runs[0])
+    merged["rounds_step_s"] = [r["mean_step_s"] for r in runs]
+    merged["mean_step_s"] = {stage: median([r["mean_step_s"][stage] for r in runs])
+                             for stage in runs[0]["mean_step_s"]}
+    merged["mean_phase_s"] = {
+        stage: {name: median([r["mean_phase_s"][stage][name] for r in runs]) for name in phases}
+        for stage, phases in runs[0].get("mean_phase_s", {}).items()}
+    for key in ("compute_only_step_s", "fp32_allreduce_s", "compression_busy_s",
+                "compression_wait_s"):
+        merged[key] = median([r[key] for r in runs])
+    if runs[0].get("all_to_all_arrival_spread_ms"):
+        merged["all_to_all_arrival_spread_ms"] = {
+            stage: {key: median([r["all_to_all_arrival_spread_ms"][stage][key] for r in runs])
+                    for key in figures}
+            for stage, figures in runs[0]["all_to_all_arrival_spread_ms"].items()}
+    return merged
+
+
 def time_to_target(curve, target: float) -> float | None:
     for _, seconds, loss in curve:
         if loss <= target:
@@ -120,6 +149,13 @@ def report(records: dict, args, network: str) -> str:
             f"{r['final_val_loss']:.4f} | "
             f"{(r['final_val_loss'] / base['final_val_loss'] - 1) * 100:+.2f}% |"
         )
+    if len(base.get("rounds_step_s", [])) > 1:
+        lines += ["", f"Step times are medians over {len(base['rounds_step_s'])} rounds "
+                      "(configurations round-robin); each round's warm-up / compression ms:", ""]
+        for name, r in records.items():
+            lines.append(f"- {name}: " + ", ".join(
+                " / ".join(f"{s[k] * 1e3:.0f}" for k in ("warmup", "compression") if k in s)
+                for s in r["rounds_step_s"]))
     lines += ["", "Where a compression-stage step goes (rank 0, ms): forward+backward / optimizer "
               "step / compressed allreduce: compression work, waiting on collectives", ""]
     for name, r in records.items():
@@ -129,10 +165,16 @@ def report(records: dict, args, network: str) -> str:
             continue
         per_call = (f"{r['compression_busy_s'] / calls * 1e3:.1f} / "
                     f"{r['compression_wait_s'] / calls * 1e3:.1f}") if calls else "-"
+        spread = r.get("all_to_all_arrival_spread_ms")
         lines.append(f"- {name}: {phases['forward_backward'] * 1e3:.1f} / "
                      f"{phases['optimizer_step'] * 1e3:.1f} / {per_call}"
                      + (f" ({calls / (r['steps'] - r['freeze_step']):.0f} calls per step)"
-                        if calls else ""))
+                        if calls else "")
+                     + ("".join(
+                         f"; the ranks entered the all-to-all {stage.replace('_', ' ')} "
+                         f"{s['median']:.1f} ms apart (median; p90 {s['p90']:.1f}), rank 0 "
+                         f"waited {s['rank0_mean_wait_for_last']:.1f} ms for the last"
+                         for stage, s in spread.items()) if spread else ""))
     return "\n".join(lines)
 
 
@@ -185,6 +227,10 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--tag", default="", help="suffix of the result and plot file names")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the configurations round-robin this many times; step times are "
+                        "the median over the rounds (this VM's speed drifts by 10-20%% between "
+                        "runs of identical code)")
     args = p.parse_args()
     configs = args.configs.split(",")
     if configs[0] != "adam":
@@ -192,22 +238,27 @@ def main() -> None:
     results_dir = ROOT / "benchmarks" / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
     reason = netns.available()
-    records = {}
     started = time.time()
+    rounds: dict[str, list[dict]] = {config: [] for config in configs}
+
+    def run_all(hosts) -> None:
+        for round_ in range(args.repeats):
+            for config in configs:
+                rounds[config].append(run_config(
+                    config, hosts, args, results_dir / f"_{args.workload}_{config}.json"))
+                print(f"{config} (round {round_ + 1}): done after {time.time() - started:.0f} s",
+                      flush=True)
+
     if reason is None:
         network = f"{args.rate} per host link (tc tbf)" + (
             f", {args.delay} netem delay" if args.delay else "")
         with netns.emulated_hosts(args.hosts, rate=args.rate, delay=args.delay) as hosts:
-            for config in configs:
-                records[config] = run_config(config, hosts, args,
-                                             results_dir / f"_{args.workload}_{config}.json")
-                print(f"{config}: done after {time.time() - started:.0f} s", flush=True)
+            run_all(hosts)
     else:
         print(f"no emulated cluster ({reason}): all ranks run over loopback, unlimited")
         network = "loopback (no bandwidth limit: not root)"
-        for config in configs:
-            records[config] = run_config(config, None, args,
-                                         results_dir / f"_{args.workload}_{config}.json")
+        run_all(None)
+    records = {config: merge_rounds(runs) for config, runs in rounds.items()}
     table = report(records, args, network)
     print(table)
     out = results_dir / f"cluster_{args.workload}{args.tag}"

@@ -197,9 +197,48 @@ def run_lightning(args, model, train, rec) -> str:
     return "OneBitAdam (Lightning strategy)"
 
 
+class ArrivalClock:
+    """When this rank entered each all-to-all (the compressed allreduce's two stages), read at
+    ``torch.distributed`` itself, outside the package. The emulated hosts share one machine and
+    so one monotonic clock: rank 0 can line the ranks' times up and see how far apart they
+    arrive, which is what the early ones wait for."""
+
+    def __init__(self):
+        self.entered: list[float] = []
+        self._all_to_all = dist.all_to_all_single
+
+        def traced(*args, **kwargs):
+            self.entered.append(time.perf_counter())
+            return self._all_to_all(*args, **kwargs)
+
+        dist.all_to_all_single = traced
+
+    def spread_ms(self) -> dict | None:
+        """Collective. For each stage of the compressed allreduce (its calls alternate: signs
+        to the servers, then the servers' chunks back), the spread between the first and the
+        last rank's arrival at each all-to-all, median and 90th percentile over the calls, and
+        rank 0's mean wait for the last arrival. None on ranks other than 0, or without
+        all-to-alls."""
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, self.entered)
+        calls = min(len(times) for times in every) // 2 * 2
+        if dist.get_rank() != 0 or calls == 0:
+            return None
+        out = {}
+        for stage, name in enumerate(("to_servers", "from_servers")):
+            index = range(stage, calls, 2)
+            spreads = sorted(max(t[i] for t in every) - min(t[i] for t in every) for i in index)
+            wait = sum(max(t[i] for t in every) - every[0][i] for i in index) / len(spreads)
+            out[name] = {"median": spreads[len(spreads) // 2] * 1e3,
+                         "p90": spreads[int(len(spreads) * 0.9)] * 1e3,
+                         "rank0_mean_wait_for_last": wait * 1e3}
+        return out
+
+
 def main() -> None:
     args = parse_args()
     dist.init_process_group("gloo")
+    clock = ArrivalClock()
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -212,6 +251,7 @@ def main() -> None:
     else:
         optimizer = run_plain(args, model, train, rec)
     comms = getattr(rec, "comms", [])
+    spread = clock.spread_ms()
     if rank == 0:
         record = {
             "config": args.config, "optimizer": optimizer, "world_size": world,
@@ -222,6 +262,7 @@ def main() -> None:
             "compression_calls": sum(c.calls for c in comms),
             "compression_busy_s": sum(c.busy_seconds for c in comms),
             "compression_wait_s": sum(c.wait_seconds for c in comms),
+            "all_to_all_arrival_spread_ms": spread,
             **rec.summary(),
         }
         Path(args.out).write_text(json.dumps(record, indent=1))

@@ -166,9 +166,10 @@ class _WireBuffers:
     of an all-gather. The bytes are those of an all-gather, but gloo's all-gather is a ring of
     ``W - 1`` dependent steps where the all-to-all exchanges with every peer at once, and signs
     and scales in one collective instead of two halve the collectives per call: on 4 emulated
-    hosts (benchmarks/cluster.py's network) one call fell from 12.6-12.9 to 3.8-4.6 ms for
-    137,216 values and from 14.6-16.1 to 10.5-11.2 ms for 6,458,112 (docs/benchmarks.md). The
-    copies into and out of the rows move 1/32 of the tensor's bytes each.
+    hosts at 1 Gbit/s one call's collectives took half the time or less for 137,216 values and
+    a quarter to a third less for 6,458,112 (``benchmarks/collective_patterns.py``;
+    docs/design.md, "Communicators"). The copies into and out of the rows move 1/32 of the
+    tensor's bytes each.
     """
 
     def __init__(self, lay: ChunkLayout, dev: torch.device):
@@ -324,7 +325,8 @@ class OneBitAllreduce(_Communicator):
 
     Non-finite input on any rank skips the call on *every* rank: that rank sends NaN scales
     instead of compressing (its worker error untouched), the servers pass the NaN on instead of
-    updating their errors, and every rank sees it in the gathered scales -- no extra collective.
+    updating their errors, and every rank sees it in the scales the servers send -- no extra
+    collective.
     Ranks whose input was finite keep that compression's (finite) worker residual.
     """
 
@@ -357,7 +359,7 @@ class OneBitAllreduce(_Communicator):
         w.to_rows(w.own_packed, w.own_scales)
         self._exchange(w, "server chunks to every rank")
         w.from_rows(w.all_packed, w.all_scales)
-        # Every rank holds the same gathered scales, so every rank takes the same decision.
+        # Every rank holds the same server scales, so every rank takes the same decision.
         if not bool(torch.isfinite(w.all_scales).all()):
             return False
         decompress(w.all_packed, w.all_scales, plan.mask, lay, out, w.scratch)

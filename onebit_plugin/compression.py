@@ -119,7 +119,7 @@ class ChunkLayout:
 
     def wire_bytes(self) -> int:
         """Bytes this rank sends per compressed allreduce: (W-1) chunks of bits and scales out in
-        the all-to-all, and its own server chunk to W-1 peers in the all-gather."""
+        the first all-to-all, and its own server chunk to W-1 peers in the second."""
         per_chunk = self.chunk // 8 + 4 * self.blocks_per_chunk
         return 2 * (self.world_size - 1) * per_chunk
 

@@ -1,0 +1,137 @@
+"""Time the collectives of one compressed allreduce, in the two layouts this project has used.
+
+    sudo .venv/bin/python benchmarks/collective_patterns.py [--hosts 4] [--rate 1gbit]
+
+On the emulated hosts of benchmarks/cluster.py (network namespaces, each link limited with
+``tc tbf``; over loopback without root), every rank times, after a barrier, what one
+``OneBitAllreduce`` call sends for a tensor of N values (2048-value blocks, W ranks):
+
+    separate  until 2026-12-01: an all-to-all of the bits and one of the scales, then an
+              all-gather of the server chunk's bits and one of its scales (four collectives)
+    rows      now: one all-to-all of W rows of bits-and-scales, then one all-to-all that sends
+              the server row to every rank (two collectives, the same bytes)
+
+and prints the median of ``--calls`` calls on rank 0. Only the collectives are timed (the rows'
+copies too); no compression runs. The namespaces are removed afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SIZES = (137_216, 6_458_112)  # the two workloads of benchmarks/cluster.py
+
+
+def rank_main(calls: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    results = {}
+    for numel in SIZES:
+        time_one_size(numel, calls, results)
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(results))
+    dist.destroy_process_group()
+
+
+def time_one_size(numel: int, calls: int, results: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    chunk = -(-numel // world // 2048) * 2048
+    bits, scale_bytes = chunk // 8, chunk // 2048 * 4
+    u8 = dict(dtype=torch.uint8)
+    send_bits, send_scales = torch.zeros(world * bits, **u8), torch.zeros(world * chunk // 2048)
+    recv_bits, recv_scales = torch.empty_like(send_bits), torch.empty_like(send_scales)
+    own_bits, own_scales = torch.zeros(bits, **u8), torch.zeros(chunk // 2048)
+    all_bits, all_scales = torch.empty_like(send_bits), torch.empty_like(send_scales)
+    send_rows = torch.empty(world, bits + scale_bytes, **u8)
+    recv_rows = torch.empty_like(send_rows)
+
+    def separate():
+        works = [dist.all_to_all_single(recv_bits, send_bits, async_op=True),
+                 dist.all_to_all_single(recv_scales, send_scales, async_op=True)]
+        for work in works:
+            work.wait()
+        works = [gather(all_bits, own_bits, async_op=True),
+                 gather(all_scales, own_scales, async_op=True)]
+        for work in works:
+            work.wait()
+
+    def rows():
+        send_rows[:, :bits].copy_(send_bits.view(world, bits))
+        send_rows[:, bits:].copy_(send_scales.view(world, -1).view(torch.uint8))
+        dist.all_to_all_single(recv_rows.view(-1), send_rows.view(-1))
+        recv_bits.view(world, bits).copy_(recv_rows[:, :bits])
+        recv_scales.view(world, -1).view(torch.uint8).copy_(recv_rows[:, bits:])
+        send_rows[:, :bits].copy_(own_bits.expand(world, bits))
+        send_rows[:, bits:].copy_(own_scales.view(torch.uint8).expand(world, scale_bytes))
+        dist.all_to_all_single(recv_rows.view(-1), send_rows.view(-1))
+        all_bits.view(world, bits).copy_(recv_rows[:, :bits])
+        all_scales.view(world, -1).view(torch.uint8).copy_(recv_rows[:, bits:])
+
+    for _ in range(2):  # interleaved, so that a drift of the machine hits both
+        for name, fn in (("separate", separate), ("rows", rows)):
+            times = []
+            for _ in range(calls):
+                dist.barrier()
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            results.setdefault(f"{numel:,} values, {name}", []).append(
+                sorted(times)[len(times) // 2] * 1e3)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--rate", default="1gbit")
+    p.add_argument("--calls", type=int, default=40)
+    p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.rank:
+        return rank_main(args.calls)
+    sys.path.insert(0, str(ROOT))
+    from tests import netns
+
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    me = [str(Path(__file__).resolve()), "--rank", "--calls", str(args.calls)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    reason = netns.available()
+    if reason is not None:
+        print(f"no emulated hosts ({reason}): all ranks over loopback, unlimited")
+        procs = [subprocess.Popen([torchrun, "--nproc_per_node", str(args.hosts),
+                                   "--master_port", "29640", *me], env=env, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)]
+        outputs = [proc.communicate(timeout=600)[0] for proc in procs]
+    else:
+        with netns.emulated_hosts(args.hosts, rate=args.rate) as hosts:
+            procs = [subprocess.Popen(
+                host.command(["env", f"GLOO_SOCKET_IFNAME={host.ifname}", torchrun, "--nnodes",
+                              str(args.hosts), "--nproc_per_node", "1", "--node_rank", str(rank),
+                              "--master_addr", hosts[0].address, "--master_port", "29640", *me]),
+                env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                for rank, host in enumerate(hosts)]
+            outputs = [proc.communicate(timeout=600)[0] for proc in procs]
+    if any(proc.returncode for proc in procs):
+        raise SystemExit("a rank failed:\n" + "\n".join(out[-2000:] for out in outputs))
+    line = next(x for out in outputs for x in out.splitlines() if x.startswith("RESULT "))
+    print(f"{args.hosts} hosts, {args.rate if reason is None else 'loopback'}; median ms of "
+          f"{args.calls} calls, two interleaved rounds:")
+    for name, medians in json.loads(line[len("RESULT "):]).items():
+        print(f"  {name}: " + " / ".join(f"{m:.2f}" for m in medians))
+
+
+if __name__ == "__main__":
+    main()
