@@ -138,7 +138,10 @@ def _overlap_worker(rank, world):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     # Eight 512x512 layers in ~1 MB buckets: each bucket's compressed allreduce should finish
-    # while autograd is still computing the gradients of earlier layers.
+    # while autograd is still computing the gradients of earlier layers. 1024 rows per batch:
+    # backward then takes 125-156 ms alone against 8-18 ms for a bucket's average; with 256
+    # rows (40-60 ms) a test file running beside this one under `make test` once stretched the
+    # first bucket's average to 94 ms, past the end of backward.
     model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(8)])
     ddp = DDP(model, bucket_cap_mb=1)
     opt = OneBitAdam(ddp.parameters(), lr=1e-3, freeze_step=2)
@@ -146,7 +149,7 @@ def _overlap_worker(rank, world):
     gen = torch.Generator().manual_seed(rank)
     for _ in range(5):
         opt.zero_grad()
-        ddp(torch.randn(256, 512, generator=gen)).square().mean().backward()
+        ddp(torch.randn(1024, 512, generator=gen)).square().mean().backward()
         opt.step()
     return state.timeline
 
