@@ -77,6 +77,10 @@ def run_config(config, hosts, args, out: Path) -> dict:
     return record
 
 
+STAGES = {"to_servers": "first all-to-all (signs to the servers)",
+          "from_servers": "second all-to-all (the servers' chunks back)"}
+
+
 def merge_rounds(runs: list[dict]) -> dict:
     """One record from the rounds of one configuration: the first round's record (its losses
     and bytes; every round trains the same numbers), with each stage's step time, the phases
@@ -124,9 +128,10 @@ def report(records: dict, args, network: str) -> str:
         f"1-bit bound (C+M)/(C+M/32) = {(c + m) / (c + m / 32):.2f}x; target validation "
         f"loss {target:.4f} (Adam's final + 1%)",
         "",
-        "| run | step ms warm-up | step ms compression | speed-up (compression) | "
-        "bytes/step warm-up | bytes/step compression | total bytes vs Adam | "
-        "time to target s | final val loss | vs Adam |",
+        "| run | step ms warm-up | step ms compression | speed-up (Adam's mean step / "
+        "this compression step) | "
+        "bytes/step warm-up | bytes/step compression | Adam's total bytes / run's | "
+        "time to target s (- : not reached) | final val loss | vs Adam |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     base_step = sum(base["mean_step_s"].values()) / len(base["mean_step_s"])
@@ -145,7 +150,7 @@ def report(records: dict, args, network: str) -> str:
             f"| {name} | {fmt(warm and warm * 1e3, '.0f')} | {fmt(comp and comp * 1e3, '.0f')} "
             f"| {fmt(speed, '.2f')}x | {fmt(bps.get('warmup'), ',.0f')} | "
             f"{fmt(bps.get('compression'), ',.0f')} | "
-            f"{base['total_bytes'] / r['total_bytes']:.2f}x less | {fmt(ttt, '.1f')} | "
+            f"{base['total_bytes'] / r['total_bytes']:.2f}x | {fmt(ttt, '.1f')} | "
             f"{r['final_val_loss']:.4f} | "
             f"{(r['final_val_loss'] / base['final_val_loss'] - 1) * 100:+.2f}% |"
         )
@@ -156,8 +161,9 @@ def report(records: dict, args, network: str) -> str:
             lines.append(f"- {name}: " + ", ".join(
                 " / ".join(f"{s[k] * 1e3:.0f}" for k in ("warmup", "compression") if k in s)
                 for s in r["rounds_step_s"]))
-    lines += ["", "Where a compression-stage step goes (rank 0, ms): forward+backward / optimizer "
-              "step / compressed allreduce: compression work, waiting on collectives", ""]
+    lines += ["", "Where a compression-stage step goes (rank 0, ms): forward+backward (DDP's own "
+              "allreduce included) / optimizer step / per compressed allreduce: compression "
+              "work / waiting on its collectives (calls per step)", ""]
     for name, r in records.items():
         phases = r.get("mean_phase_s", {}).get("compression")
         calls = r.get("compression_calls") or 0
@@ -168,10 +174,10 @@ def report(records: dict, args, network: str) -> str:
         spread = r.get("all_to_all_arrival_spread_ms")
         lines.append(f"- {name}: {phases['forward_backward'] * 1e3:.1f} / "
                      f"{phases['optimizer_step'] * 1e3:.1f} / {per_call}"
-                     + (f" ({calls / (r['steps'] - r['freeze_step']):.0f} calls per step)"
+                     + (f" ({calls / (r['steps'] - r['freeze_step']):.0f} per step)"
                         if calls else "")
                      + ("".join(
-                         f"; the ranks entered the all-to-all {stage.replace('_', ' ')} "
+                         f"; the ranks entered the {STAGES[stage]} "
                          f"{s['median']:.1f} ms apart (median; p90 {s['p90']:.1f}), rank 0 "
                          f"waited {s['rank0_mean_wait_for_last']:.1f} ms for the last"
                          for stage, s in spread.items()) if spread else ""))
@@ -271,7 +277,8 @@ def main() -> None:
             for stage, seconds in r["mean_step_s"].items():
                 writer.writerow([name, stage, seconds, r["bytes_per_step"][stage],
                                  r["final_val_loss"]])
-    for path in plot(records, args.workload + args.tag):
+    for path in (out.with_suffix(".json"), out.with_suffix(".csv"),
+                 *plot(records, args.workload + args.tag)):
         print(f"wrote {path.relative_to(ROOT)}")
     for tmp in results_dir.glob(f"_{args.workload}_*.json"):
         tmp.unlink()

@@ -95,9 +95,11 @@ def time_one_size(numel: int, calls: int, results: dict) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--hosts", type=int, default=4)
-    p.add_argument("--rate", default="1gbit")
-    p.add_argument("--calls", type=int, default=40)
+    p.add_argument("--hosts", type=int, default=4, help="ranks, one per host (default 4)")
+    p.add_argument("--rate", default="1gbit",
+                   help="tc tbf rate of each host's link, e.g. 1gbit, 100mbit (default 1gbit)")
+    p.add_argument("--calls", type=int, default=40,
+                   help="calls per layout and round; the median is printed (default 40)")
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.rank:
@@ -128,7 +130,7 @@ def main() -> None:
         raise SystemExit("a rank failed:\n" + "\n".join(out[-2000:] for out in outputs))
     line = next(x for out in outputs for x in out.splitlines() if x.startswith("RESULT "))
     print(f"{args.hosts} hosts, {args.rate if reason is None else 'loopback'}; median ms of "
-          f"{args.calls} calls, two interleaved rounds:")
+          f"{args.calls} calls, round 1 / round 2 (the layouts interleaved):")
     for name, medians in json.loads(line[len("RESULT "):]).items():
         print(f"  {name}: " + " / ".join(f"{m:.2f}" for m in medians))
 
