@@ -36,6 +36,19 @@ def _both(fn):
     return [fn(backend) for backend in ("torch", "cpu")]
 
 
+def test_the_c_passes_never_build_the_index_list():
+    """The C passes read ``keep``; the int64 list of masked indices (8 bytes per masked value)
+    is built only for the torch passes."""
+    layout, mask, x, error, _ = _case(4099, 3, 256, "rms")
+    packed = torch.empty(layout.padded_numel // 8, dtype=torch.uint8)
+    scales = torch.empty(layout.num_blocks)
+    C.worker_compress(x, error.clone(), mask, layout, packed, scales, backend="cpu")
+    C.decompress(packed, scales, mask, layout, torch.empty(layout.numel), backend="cpu")
+    assert "dropped" not in vars(mask)
+    C.worker_compress(x, error.clone(), mask, layout, packed, scales, backend="torch")
+    assert vars(mask)["dropped"].numel() == int((~mask.keep).sum())
+
+
 @pytest.mark.parametrize("numel", SIZES)
 @pytest.mark.parametrize("world,max_block", LAYOUTS)
 @pytest.mark.parametrize("scale", ["rms", "mean"])
