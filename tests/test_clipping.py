@@ -151,7 +151,8 @@ def test_the_norm_sketch_is_unbiased_and_close():
     assert max(abs(r - 1) for r in ratios) < 0.35, ratios  # 4 standard deviations
 
 
-def _torch_clip_worker(rank, world):
+def _hooked_and_logged():
+    """A DDP model with the 1-bit hook (freeze at 2), and the package's log records."""
     model = DDP(_mlp())
     opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
     register_onebit_hook(model, opt)
@@ -159,6 +160,11 @@ def _torch_clip_worker(rank, world):
     handler = logging.Handler()
     handler.emit = records.append
     logging.getLogger("onebit_plugin").addHandler(handler)
+    return model, opt, records
+
+
+def _torch_clip_worker(rank, world):
+    model, opt, records = _hooked_and_logged()
     for step in range(6):
         opt.zero_grad()
         _backward(model, rank, step)
@@ -174,13 +180,7 @@ def test_torch_clipping_of_the_averaged_momentum_is_said_once():
 
 
 def _late_clip_worker(rank, world):
-    model = DDP(_mlp())
-    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
-    register_onebit_hook(model, opt)
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("onebit_plugin").addHandler(handler)
+    model, opt, records = _hooked_and_logged()
     norms = []
     for step in range(5):
         opt.zero_grad()
