@@ -124,6 +124,9 @@ def run_plain(args, model, train, rec) -> str:
         # threads in an order that differs between ranks, and gloo aborts ("Received data size
         # doesn't match expected size", seen on this cluster).
         net = DDP(model, bucket_cap_mb=1024)
+    elif cfg.startswith("onebit_hook"):
+        # As the package's strategies and Accelerator wrap it (the baselines keep DDP's default).
+        net = DDP(model, gradient_as_bucket_view=True)
     else:
         net = DDP(model)
     if cfg.startswith("onebit"):

@@ -11,7 +11,9 @@ passes the environment to every process -- ``prepare()``:
 * replaces each ``torch.optim.Adam``/``AdamW`` it is given by a ``OneBitAdam`` over the *same*
   param-group dicts (so LR schedulers built on the original keep working, and are re-pointed at
   the new optimizer), with the same lr, betas, eps, weight decay and AdamW semantics;
-* registers OneBitAdam's DDP comm hook on the model it wraps in DDP.
+* registers OneBitAdam's DDP comm hook on the model it wraps in DDP, which it wraps with
+  ``gradient_as_bucket_view=True`` unless the script passed its own
+  ``DistributedDataParallelKwargs`` (no gradient copies into DDP's buckets and back).
 
 Settings, all read from the environment when ``prepare()`` runs:
 
@@ -206,6 +208,9 @@ class Accelerator(accelerate.Accelerator):
         self._onebit_models: list[DistributedDataParallel] = []
         self._onebit_pending: list[OneBitAdam] = []
         self._said_idle = False
+        if self.onebit is not None and self.ddp_handler is None:
+            self.ddp_handler = accelerate.DistributedDataParallelKwargs(
+                gradient_as_bucket_view=True)
         if self.onebit is not None and self.mixed_precision == "fp16":
             raise ValueError(
                 "ONEBIT_ADAM=1 supports mixed_precision 'no' and 'bf16'; 'fp16' scales the loss "

@@ -47,7 +47,8 @@ def make_fabric_strategy_class(fabric, module: str):
                 the momentum in ``optimizer.step()``.
             comm_timeout: seconds a collective of OneBitAdam may take before the step raises
                 ``CommunicationError`` (default: the optimizer's).
-            **kwargs: everything Fabric's ``DDPStrategy`` takes.
+            **kwargs: everything Fabric's ``DDPStrategy`` takes (``gradient_as_bucket_view``
+                defaults to True here).
         """
 
         def __init__(self, overlap: bool = True, comm_timeout: float | None = None, **kwargs):
@@ -55,6 +56,8 @@ def make_fabric_strategy_class(fabric, module: str):
                 if kwargs.get(taken) is not None:
                     raise ValueError(f"the onebit_adam strategy registers its own DDP comm hook; "
                                      f"{taken} cannot be set")
+            # As the Trainer strategy: no gradient copies into DDP's buckets and back.
+            kwargs.setdefault("gradient_as_bucket_view", True)
             super().__init__(**kwargs)
             self.overlap, self.comm_timeout = overlap, comm_timeout
             self.hook_state = None

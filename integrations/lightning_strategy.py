@@ -75,7 +75,8 @@ def make_strategy_class(pl, callback_cls, module: str):
                 within it wherever it hangs.
             **kwargs: everything ``DDPStrategy`` takes (``find_unused_parameters``,
                 ``bucket_cap_mb``, ``timeout``, ``start_method``, ...). ``ddp_comm_hook``,
-                ``ddp_comm_state`` and ``ddp_comm_wrapper`` are taken by the 1-bit hook.
+                ``ddp_comm_state`` and ``ddp_comm_wrapper`` are taken by the 1-bit hook;
+                ``gradient_as_bucket_view`` defaults to True here.
 
         Gradient clipping (``gradient_clip_val``) goes through ``OneBitAdam.clip_grad_norm_``:
         in warm-up it clips the averaged gradient, as with DDP; in the compression stage it
@@ -98,6 +99,10 @@ def make_strategy_class(pl, callback_cls, module: str):
                         f"OneBitAdamStrategy registers its own DDP comm hook; {taken} cannot be "
                         "set"
                     )
+            # p.grad as views of DDP's buckets: no copy into the buckets and back per step, and
+            # the hook can leave the units completed by the last bucket to step()
+            # (onebit_plugin.ddp_hook). The user's own setting wins.
+            kwargs.setdefault("gradient_as_bucket_view", True)
             super().__init__(**kwargs)
             # None: the default group's timeout follows comm_timeout once that is known.
             self._user_timeout = kwargs.get("timeout")

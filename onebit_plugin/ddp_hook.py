@@ -14,6 +14,18 @@ optimizer's stage, the way torch's ``PowerSGDState.start_powerSGD_iter`` switche
   norms and sketches of the local gradients the hook noted; torch's ``clip_grad_norm_`` on
   ``p.grad`` would clip the momentum itself (``step()`` says so once).
 
+  A unit completed only by the last bucket has no backward left to overlap with: averaged in
+  the background, it would still be waited for before backward returns, and cost a hand-off
+  and one more pass (the average copied into the bucket, then compared with ``p.grad`` in
+  ``step()``). When the DDP model keeps its gradients as views of its buckets
+  (``gradient_as_bucket_view=True``, which the strategies set), such units -- those that
+  completed with the last bucket in the previous iteration, or do in this one -- are left to
+  ``step()``: their local gradients stay in ``p.grad``, ``step()`` folds and averages them
+  (the ``overlap=False`` path, the same numbers), and the views' version counts tell it, at no
+  cost, whether anything changed them in between. For a model below one bucket, that is all
+  of it. Without bucket views, DDP copies every gradient into its buckets and back and a
+  change could only be seen by comparing values: every unit is then averaged in backward.
+
 With ``overlap=False`` the compression-stage hook passes the local gradients through and
 ``step()`` folds and averages the same units itself: the same numbers, without the overlap.
 The DDP model and the optimizer must hold the same trainable parameters, at registration and at
@@ -51,6 +63,9 @@ class OneBitHookState:
             times of compression-stage buckets in ``timeline`` (for overlap checks).
         bucket_bytes: DDP's bucket size, the momentum units' size unless the optimizer's
             ``bucket_cap_mb`` says otherwise.
+        bucket_views: the DDP model's ``gradient_as_bucket_view``: the gradients DDP hands
+            the hook are then ``p.grad`` itself, and units completed by the last bucket are
+            left to ``step()`` (module docstring).
 
     The hook's collectives (warm-up and units) run on the optimizer's ``comm_group``, a group of
     their own made here (so every rank must construct this state at the same point, as DDP
@@ -63,6 +78,7 @@ class OneBitHookState:
         "process_group", "comm_group", "world_size",  # communication
         "optimizer", "overlap",  # the optimizer whose stage and units the hook follows
         "remaining", "pending",  # this iteration: gradients to come per unit, its pending average
+        "bucket_views", "deferred", "to_defer",  # units left to step(): this iteration, the next
         "record_timeline", "timeline",  # diagnostics
     )
 
@@ -73,6 +89,7 @@ class OneBitHookState:
         overlap: bool = True,
         record_timeline: bool = False,
         bucket_bytes: int = 25 * 2**20,
+        bucket_views: bool = False,
     ):
         self.optimizer = optimizer
         self.process_group = process_group
@@ -81,12 +98,18 @@ class OneBitHookState:
         self.comm_group = optimizer.use_ddp_hook(process_group, overlap, bucket_bytes)
         self.remaining: dict[MomentumUnit, int] = {}
         self.pending: dict[MomentumUnit, torch.futures.Future] = {}
+        self.bucket_views = bucket_views
+        # Units left to step() in this iteration, and those to leave unfolded in the next (they
+        # completed with the last bucket in this one).
+        self.deferred: set[MomentumUnit] = set()
+        self.to_defer: set[MomentumUnit] = set()
         self.record_timeline = record_timeline
         self.timeline: list[tuple[int, float, float]] = []
 
-    def arrived(self, unit: MomentumUnit) -> torch.futures.Future:
-        """One more of ``unit``'s gradients was folded; once all have, start averaging it.
-        Returns the future of this iteration's average of ``unit``."""
+    def arrived(self, unit: MomentumUnit, last: bool) -> torch.futures.Future:
+        """One more of ``unit``'s gradients is in (``last``: in DDP's last bucket); once all
+        are, start averaging it, or leave it to ``step()``. Returns the future of this
+        iteration's average of ``unit`` (done at once for a unit left to ``step()``)."""
         if unit not in self.pending:
             self.pending[unit] = torch.futures.Future()
             self.remaining[unit] = len(unit.params)
@@ -94,6 +117,10 @@ class OneBitHookState:
         self.remaining[unit] -= 1
         if self.remaining[unit] == 0:
             del self.pending[unit], self.remaining[unit]
+            if self.bucket_views and (last or unit in self.to_defer):
+                self.deferred.add(unit)
+                pending.set_result(None)
+                return pending
             opt = self.optimizer
 
             def done(fut: torch.futures.Future) -> None:
@@ -108,7 +135,8 @@ class OneBitHookState:
 
     def __getstate__(self):
         state = {slot: getattr(self, slot) for slot in self.__slots__}
-        state.update(process_group=None, comm_group=None, remaining={}, pending={})
+        state.update(process_group=None, comm_group=None, remaining={}, pending={},
+                     deferred=set(), to_defer=set())
         return state
 
     def __setstate__(self, state):
@@ -130,17 +158,23 @@ def onebit_hook(
         work = dist.all_reduce(buffer, group=state.comm_group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
     if not state.overlap:
+        if state.bucket_views:  # p.grad itself: step() can tell whether it changed
+            for p, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+                opt.defer_to_step(p, grad)
         done: torch.futures.Future = torch.futures.Future()
         done.set_result(buffer)  # local gradients: OneBitAdam.step() folds and averages them
         return done
     started = time.perf_counter()
     pairs = list(zip(bucket.parameters(), bucket.gradients(), strict=True))
+    last = bucket.is_last()
+    deferred = state.deferred  # this iteration's set (the last bucket starts the next one's)
     waits = []
     for p, grad in pairs:
         unit = opt.unit_of(p)
-        opt.note_local_gradient(p, grad)  # for clip_grad_norm_: p.grad will hold the average
-        unit.fold_(p, grad)
-        pending = state.arrived(unit)
+        if unit not in state.to_defer:  # else step() folds it
+            opt.note_local_gradient(p, grad)  # for clip_grad_norm_: p.grad will hold the average
+            unit.fold_(p, grad)
+        pending = state.arrived(unit, last)
         if all(pending is not w for w in waits):
             waits.append(pending)
 
@@ -156,7 +190,12 @@ def onebit_hook(
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for p, grad in pairs:
                 unit = opt.unit_of(p)
-                grad.copy_(unit.view(p, unit.local))  # DDP hands the bucket's views to step()
+                if unit not in deferred:  # DDP hands the bucket's views to step()
+                    grad.copy_(unit.view(p, unit.local))
+        # After the copies above, which count as writes to the bucket's every view.
+        for p, grad in pairs:
+            if opt.unit_of(p) in deferred:
+                opt.defer_to_step(p, grad)
         if state.record_timeline:
             state.timeline.append((bucket.index(), started, time.perf_counter()))
         return buffer
@@ -168,6 +207,9 @@ def onebit_hook(
         # and their order must match on every rank: so every unit's average is finished first.
         # Backward is over by then and DDP waits on these futures next, so nothing overlaps less.
         comm_executor(state.comm_group).submit(lambda: None).result()
+        if state.bucket_views:  # the units completed with the last bucket
+            state.to_defer = {opt.unit_of(p) for p, _ in pairs}
+            state.deferred = set()
     return torch.futures.collect_all(waits).then(finish)
 
 
@@ -205,7 +247,11 @@ def register_onebit_hook(
             "(DDP would never average them). Give OneBitAdam exactly the model's trainable "
             "parameters"
         )
+    if not model.gradient_as_bucket_view:
+        log.info("onebit: DistributedDataParallel(..., gradient_as_bucket_view=True) saves "
+                 "copying every gradient into DDP's buckets and back at each step, and lets "
+                 "the hook leave the units completed by the last bucket to optimizer.step()")
     state = OneBitHookState(optimizer, model.process_group, overlap, record_timeline,
-                            model.bucket_bytes_cap)
+                            model.bucket_bytes_cap, model.gradient_as_bucket_view)
     model.register_comm_hook(state, onebit_hook)
     return state

@@ -209,6 +209,9 @@ class OneBitAdam(Optimizer):
         self._unit_of: dict[torch.Tensor, MomentumUnit] = {}
         self._saved: dict = {}  # units' errors and counters from a checkpoint, until built
         self._averaged: dict[MomentumUnit, bool] = {}  # by the DDP hook, this iteration
+        # param: (data_ptr, version) of the bucket view in which the DDP hook left p's local
+        # gradient for step() to fold, this iteration (see defer_to_step)
+        self._handed: dict[torch.Tensor, tuple[int, int]] = {}
         self._warmup_sent = self._warmup_dense = 0
         self._clip_sent = 0  # the compression stage's clipping-norm allreduces
         self._grad_flat: torch.Tensor | None = None
@@ -221,6 +224,7 @@ class OneBitAdam(Optimizer):
         self._clip_coef: float | None = None  # set by clip_grad_norm_ for this step
         self._grads_averaged = False  # by clip_grad_norm_ in warm-up, before step()
         self._said_grad_changed = False
+        self._said_local_changed = False
         # Set when the first step's gradients were already identical on every rank (below).
         self.averaged_elsewhere = False
 
@@ -318,6 +322,15 @@ class OneBitAdam(Optimizer):
         """The DDP hook averaged ``unit`` during backward (``ok``: every rank's was finite);
         ``step()`` then takes its momentum from ``p.grad`` (clipping included)."""
         self._averaged[unit] = ok
+
+    def defer_to_step(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """The DDP hook left ``p``'s local gradient in ``grad``, a view of DDP's bucket that
+        is ``p.grad`` (``gradient_as_bucket_view=True``), for ``step()`` to fold and average.
+        Its version count is kept: ``step()`` folds whatever ``p.grad`` then holds, and says
+        once when something changed it in between (torch's ``clip_grad_norm_`` would clip each
+        rank's local gradient by its own norm). Call it after the hook's last write to the
+        bucket."""
+        self._handed[p] = (grad.data_ptr(), grad._version)
 
     def note_local_gradient(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         """The DDP hook is about to fold ``p``'s local gradient in the compression stage: its
@@ -583,6 +596,17 @@ class OneBitAdam(Optimizer):
             "Call optimizer.clip_grad_norm_(max_norm) instead (the Lightning and Fabric "
             "strategies and onebit-run's Accelerator do); the changed momentum is used as given")
 
+    def _say_local_changed(self) -> None:
+        self._said_local_changed = True
+        log.warning(
+            "onebit: in the compression stage the DDP hook leaves the local gradients that "
+            "step() averages in p.grad, and something changed them after backward: "
+            "torch.nn.utils.clip_grad_norm_ there clips each rank's local gradient by its own "
+            "norm, not the averaged gradient by the average's, as it does for Adam under DDP. "
+            "Call optimizer.clip_grad_norm_(max_norm) instead (the Lightning and Fabric "
+            "strategies and onebit-run's Accelerator do); the changed gradients are used as "
+            "given")
+
     def _skip(self) -> None:
         """A step skipped on every rank (some rank's gradient was not finite): said each time,
         and an error after ``max_skipped_steps`` in a row, never a silent stall."""
@@ -742,12 +766,15 @@ class OneBitAdam(Optimizer):
         """Every unit the DDP hook did not average during backward is folded and averaged here,
         now; the step is skipped on every rank if any unit came back non-finite."""
         averaged, self._averaged = self._averaged, {}
+        handed, self._handed = self._handed, {}
         ok = True
         for unit in self.units:
             if unit in averaged:
                 ok &= averaged[unit]
                 continue
             for p in unit.params:
+                if p in handed and not self._said_local_changed and _changed(p.grad, handed[p]):
+                    self._say_local_changed()
                 unit.fold_(p, p.grad)
             ok &= unit.reduce_(self.communicator)
         if not ok:
@@ -840,6 +867,7 @@ class OneBitAdam(Optimizer):
                 self.state[p][k] = (float(v) if k == "frozen_step" else
                                     v.to(device="cpu" if k == "step" else p.device, copy=True))
         self._units, self._unit_of, self._averaged = None, {}, {}  # rebuilt from the new state
+        self._handed = {}
         self._settings_checked = False
         if onebit is not None:
             self.load_onebit_state_dict(onebit)
@@ -877,7 +905,7 @@ class OneBitAdam(Optimizer):
         self._saved = {"counts": tuple(onebit["compression_counts"])}
         if onebit["units"] is not None:
             self._saved.update(units=onebit["units"], unit_cap_bytes=onebit["unit_cap_bytes"])
-        self._units, self._unit_of, self._averaged = None, {}, {}
+        self._units, self._unit_of, self._averaged, self._handed = None, {}, {}, {}
         self._settings_checked = False
 
     def __getstate__(self) -> dict:
@@ -891,6 +919,12 @@ SUPPORTED_SETUPS = (
     "plain torch.distributed (OneBitAdam averages by itself), DDP with register_onebit_hook, "
     "Lightning strategy='onebit_adam', Accelerate with ONEBIT_ADAM=1"
 )
+
+
+def _changed(grad: torch.Tensor | None, handed: tuple[int, int]) -> bool:
+    """Whether ``grad`` is no longer the bucket view the DDP hook handed over, or was written
+    since (any in-place op on a view of the bucket counts; one through ``.data`` does not)."""
+    return grad is None or (grad.data_ptr(), grad._version) != handed
 
 
 def _reject_sharded(params: list[torch.Tensor]) -> None:

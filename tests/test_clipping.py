@@ -60,9 +60,10 @@ def test_single_process_clips_the_gradient_inside_the_momentum():
     assert opts[0].state[models[0][0].bias]["exp_avg"][5] == 0  # masked stays at zero
 
 
-def _paths_worker(rank, world, overlap):
+def _paths_worker(rank, world, overlap, views=False):
     """Clipped training with OneBitAdam averaging itself, or under DDP with the hook."""
-    model = _mlp() if overlap is None else DDP(_mlp(), bucket_cap_mb=0.001)  # several buckets
+    model = _mlp() if overlap is None else DDP(_mlp(), bucket_cap_mb=0.001,  # several buckets
+                                               gradient_as_bucket_view=views)
     # One momentum unit on every path (the hook would otherwise size units like DDP's buckets).
     opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=3, bucket_cap_mb=25)
     if overlap is not None:
@@ -78,11 +79,13 @@ def _paths_worker(rank, world, overlap):
 
 def test_every_path_clips_to_the_same_bits():
     results = {path: run_ranks(_paths_worker, 2, path) for path in (None, True, False)}
+    # With bucket views the hook leaves the one unit, completed by the last bucket, to step().
+    results["views"] = run_ranks(_paths_worker, 2, True, True)
     for path, ranks in results.items():
         assert_ranks_identical([r[0] for r in ranks], f"parameters (overlap={path})")
     plain, plain_norms = results[None][0]
     assert sum(n > MAX_NORM for n in plain_norms[3:]) >= 5  # clipping acted in compression
-    for path in (True, False):
+    for path in (True, False, "views"):
         params, norms = results[path][0]
         assert norms == plain_norms
         for a, b in zip(plain, params, strict=True):
@@ -151,9 +154,9 @@ def test_the_norm_sketch_is_unbiased_and_close():
     assert max(abs(r - 1) for r in ratios) < 0.35, ratios  # 4 standard deviations
 
 
-def _hooked_and_logged():
+def _hooked_and_logged(views=False):
     """A DDP model with the 1-bit hook (freeze at 2), and the package's log records."""
-    model = DDP(_mlp())
+    model = DDP(_mlp(), gradient_as_bucket_view=views)
     opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
     register_onebit_hook(model, opt)
     records = []
@@ -163,24 +166,38 @@ def _hooked_and_logged():
     return model, opt, records
 
 
-def _torch_clip_worker(rank, world):
-    model, opt, records = _hooked_and_logged()
+def _torch_clip_worker(rank, world, views=False, clip=True):
+    model, opt, records = _hooked_and_logged(views)
     for step in range(6):
         opt.zero_grad()
         _backward(model, rank, step)
-        nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # on the averaged momentum
+        if clip:  # on the averaged momentum; with bucket views, on the local gradient
+            nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
         opt.step()
-    return [r.getMessage() for r in records if "p.grad holds the averaged momentum" in
-            r.getMessage()]
+    return ([r.getMessage() for r in records if "p.grad holds the averaged momentum" in
+             r.getMessage()],
+            [r.getMessage() for r in records if "leaves the local gradients" in r.getMessage()])
 
 
 def test_torch_clipping_of_the_averaged_momentum_is_said_once():
-    for said in run_ranks(_torch_clip_worker, 2):
+    for said, said_local in run_ranks(_torch_clip_worker, 2):
         assert len(said) == 1 and "optimizer.clip_grad_norm_(max_norm)" in said[0]
+        assert said_local == []
 
 
-def _late_clip_worker(rank, world):
-    model, opt, records = _hooked_and_logged()
+def test_torch_clipping_of_a_local_gradient_left_to_step_is_said_once():
+    """With bucket views the hook leaves this one-unit model to step(): p.grad holds the local
+    gradient, and torch's clipping of it (each rank by its own norm) is seen from the bucket's
+    version count and said once; without clipping nothing is said."""
+    for said, said_local in run_ranks(_torch_clip_worker, 2, True):
+        assert said == [] and len(said_local) == 1, (said, said_local)
+        assert "optimizer.clip_grad_norm_(max_norm)" in said_local[0]
+    for said, said_local in run_ranks(_torch_clip_worker, 2, True, False):
+        assert said == [] and said_local == []
+
+
+def _late_clip_worker(rank, world, views=False):
+    model, opt, records = _hooked_and_logged(views)
     norms = []
     for step in range(5):
         opt.zero_grad()
@@ -197,6 +214,10 @@ def test_a_first_clip_in_the_compression_stage_is_said_and_remembered():
     for norms, said, remembered in run_ranks(_late_clip_worker, 2):
         assert math.isnan(norms[0]) and math.isfinite(norms[1]) and norms[1] > 0
         assert len(said) == 1 and remembered is True
+    # With bucket views nothing of this one-unit model was folded in backward: it clips at once.
+    for norms, said, remembered in run_ranks(_late_clip_worker, 2, True):
+        assert all(math.isfinite(n) and n > 0 for n in norms) and said == [], (norms, said)
+        assert remembered is True
 
 
 def test_bad_clipping_arguments_are_clear_errors():

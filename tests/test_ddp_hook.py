@@ -92,6 +92,37 @@ def test_fallback_hook_equals_optimizer_side_path():
         assert torch.equal(a, b)
 
 
+def _views_worker(rank, world):
+    plain = _mlp(depth=4)
+    opt_plain = OneBitAdam(plain.parameters(), lr=1e-2, freeze_step=3, bucket_cap_mb=0.001)
+    ddp = DDP(_mlp(depth=4), bucket_cap_mb=0.001, gradient_as_bucket_view=True)
+    # The same units as the optimizer-side path: the same bits.
+    opt_ddp = OneBitAdam(ddp.parameters(), lr=1e-2, freeze_step=3, bucket_cap_mb=0.001)
+    state = register_onebit_hook(ddp, opt_ddp)
+    in_backward = []
+    mark = opt_ddp.mark_averaged
+    opt_ddp.mark_averaged = lambda unit, ok: (in_backward.append(unit), mark(unit, ok))
+    for step in range(10):
+        _step(plain, opt_plain, rank, step)
+        in_backward.clear()
+        _step(ddp, opt_ddp, rank, step)
+    return ([p.detach() for p in plain.parameters()], [p.detach() for p in ddp.parameters()],
+            len(set(in_backward)), len(state.to_defer), len(opt_ddp.units))
+
+
+def test_with_bucket_views_the_last_units_go_to_step_with_the_same_numbers():
+    """gradient_as_bucket_view=True, several buckets and units: the units the last bucket
+    completes are folded and averaged in step(), the others inside backward; the parameters
+    are the optimizer-side path's, bit for bit."""
+    results = run_ranks(_views_worker, 2)
+    assert_ranks_identical([r[1] for r in results], "hook-path parameters")
+    plain, hooked, in_backward, deferred, units = results[0]
+    assert in_backward >= 2 and deferred >= 1 and in_backward + deferred == units, \
+        (in_backward, deferred, units)
+    for a, b in zip(plain, hooked, strict=True):
+        assert torch.equal(a, b)
+
+
 def _lockstep_worker(rank, world):
     torch.manual_seed(0)
     model = nn.ModuleDict({"body": _mlp(width=48), "extra": nn.Linear(16, 4)})

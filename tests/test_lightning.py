@@ -243,7 +243,9 @@ def test_rank_zero_exits_when_its_peer_hangs_and_fit_resumes_from_last(fp32_run,
         elapsed = time.monotonic() - started
     output = log.read_text()
     assert proc.returncode not in (0, None), output[-3000:]
-    assert "CommunicationError: onebit: the compressed allreduce" in output, output[-3000:]
+    # The model is one momentum unit, which the strategy's bucket views leave to step(): the
+    # first collective of OneBitAdam's after the hang is the clipping norm's allreduce.
+    assert "CommunicationError: onebit: the clipping norm's allreduce" in output, output[-3000:]
     assert "failed on rank 0 of 2 (timeout 3 s)" in output
     print(f"rank 0 exited {proc.returncode} {elapsed:.1f} s after the start")
     assert elapsed < 60, elapsed
