@@ -1,6 +1,7 @@
-"""The fused CPU passes (``cpu_compress.c``): built once with the system's C compiler, cached,
-and called through ctypes (which releases the GIL, so the overlap thread does not hold up
-backward's Python).
+"""The fused CPU passes (``cpu_compress.c``: the compressed allreduce's three passes;
+``cpu_update.c``: the compression stage's parameter update): built once with the system's C
+compiler into one library, cached, and called through ctypes (which releases the GIL, so the
+overlap thread does not hold up backward's Python).
 
 The library is built on first use into ``$XDG_CACHE_HOME/onebit_plugin`` (default
 ``~/.cache/onebit_plugin``), keyed by the source, the flags, the compiler's version and the CPU's
@@ -24,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["decompress", "library", "server_compress", "worker_compress"]
+__all__ = ["decompress", "frozen_update", "library", "server_compress", "worker_compress"]
 
 log = logging.getLogger("onebit_plugin")
 
-SOURCE = Path(__file__).with_name("cpu_compress.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_compress.c", "cpu_update.c"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math",
          "-fno-trapping-math", "-shared",
          "-fPIC", "-std=c11"]
@@ -61,17 +62,19 @@ def _cpu_flags() -> str:
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              timeout=60).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version,
+    texts = [src.read_text() for src in SOURCES]
+    key = hashlib.sha256("\0".join([*texts, " ".join(FLAGS), version,
                                     _cpu_flags()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "onebit_plugin"
-    target = cache / f"cpu_compress_{key}.so"
+    target = cache / f"onebit_cpu_{key}.so"
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
+        proc = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
+                              capture_output=True,
                               text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip()
@@ -91,6 +94,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.onebit_server_compress.restype = i32
     lib.onebit_decompress.argtypes = [p, p, p, p, i64, i64, i64, i32]
     lib.onebit_decompress.restype = None
+    f64 = ctypes.c_double
+    lib.onebit_frozen_update.argtypes = [p, p, p, i64, f64, f64, f64, i32, i32]
+    lib.onebit_frozen_update.restype = None
     return lib
 
 
@@ -110,7 +116,7 @@ def library() -> ctypes.CDLL | None:
         try:
             lib = _bind(ctypes.CDLL(str(_build(cc))))
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            why = f"building {SOURCE.name} failed: {exc}"
+            why = f"building {' and '.join(src.name for src in SOURCES)} failed: {exc}"
     if lib is None:  # said once per process
         log.warning("onebit: %s; the CPU compression runs as torch passes (the same bits, "
                     "3-6x slower per pass)", why)
@@ -153,3 +159,12 @@ def decompress(packed, scales, mask, layout, out) -> None:
     library().onebit_decompress(_ptr(packed), _ptr(scales), _ptr(mask.keep), _ptr(out),
                                 layout.numel, layout.num_blocks, layout.block,
                                 _threads(layout.padded_numel))
+
+
+def frozen_update(param, exp_avg, denom, *, decay: float, scale: float, bound: float | None
+                  ) -> None:
+    """``param = param * decay + clamp(exp_avg / denom, -bound, bound) * scale`` in one pass
+    (no clamp for ``bound=None``), the torch passes' bits; fp32, contiguous, CPU, one size."""
+    library().onebit_frozen_update(_ptr(param), _ptr(exp_avg), _ptr(denom), param.numel(),
+                                   decay, scale, 0.0 if bound is None else bound,
+                                   int(bound is not None), _threads(param.numel()))

@@ -110,8 +110,42 @@ def frozen_update_(
     averaged momentum by then); without it the ratios are allocated."""
     masters = masters or [None] * len(params)
     p32 = [_fp32_param(p, m) for p, m in zip(params, masters, strict=True)]
-    if weight_decay != 0 and decoupled:
-        torch._foreach_mul_(p32, 1 - lr * weight_decay)
+    decay = 1 - lr * weight_decay if weight_decay != 0 and decoupled else 1.0
+    # |m_hat / denom| <= 1 is |m / denom| <= 1 - b1**step, before m's bias correction.
+    corrections = [1 - beta1**step for step in steps]
+    fused = _cpu_kernel() is not None
+    rest = []
+    for i, (p, m, d) in enumerate(zip(p32, exp_avgs, denoms, strict=True)):
+        if fused and all(t.device.type == "cpu" and t.dtype == torch.float32
+                         and t.is_contiguous() for t in (p, m, d)):
+            # One pass instead of the five below, the same bits (kernels/cpu_update.c).
+            _cpu_kernel().frozen_update(p, m, d, decay=decay, scale=-(lr / corrections[i]),
+                                        bound=corrections[i] if bounded else None)
+        else:
+            rest.append(i)
+    if rest:
+        _frozen_update_passes([p32[i] for i in rest], [exp_avgs[i] for i in rest],
+                              [denoms[i] for i in rest], [corrections[i] for i in rest],
+                              lr=lr, decay=decay, bounded=bounded,
+                              work=None if work is None else [work[i] for i in rest])
+    for param, p in zip(params, p32, strict=True):
+        _write_back(param, p)
+
+
+def _cpu_kernel():
+    """``onebit_plugin.kernels.cpu`` when its library is built (else None: torch passes)."""
+    from onebit_plugin.kernels import cpu
+
+    return cpu if cpu.library() is not None else None
+
+
+def _frozen_update_passes(p32, exp_avgs, denoms, corrections, *, lr, decay, bounded, work):
+    """The torch passes of :func:`frozen_update_` (GPU tensors, bf16 parameters without master
+    copies, or no C compiler), multi-tensor: ``p *= decay``, ``r = m / d``, the clamp,
+    ``r *= -lr / correction``, ``p += r``, each rounded once (not ``add_`` with ``alpha``,
+    which may fuse the multiply-add), as the CPU kernel does."""
+    if decay != 1.0:
+        torch._foreach_mul_(p32, decay)
     if work is None:
         ratios = torch._foreach_div(exp_avgs, denoms)
     else:
@@ -119,14 +153,12 @@ def frozen_update_(
         torch._foreach_div_(ratios, denoms)
     # Parameters that share a step count (all of them, unless some had no gradient early on)
     # share the bias correction: one clamp and one scaled add for them together.
-    by_step: dict[float, list[int]] = {}
-    for i, step in enumerate(steps):
-        by_step.setdefault(step, []).append(i)
-    for step, index in by_step.items():
-        correction = 1 - beta1**step
+    by_correction: dict[float, list[int]] = {}
+    for i, correction in enumerate(corrections):
+        by_correction.setdefault(correction, []).append(i)
+    for correction, index in by_correction.items():
         these = [ratios[i] for i in index]
         if bounded:
-            # |m_hat / denom| <= 1 is |m / denom| <= 1 - b1**step, before m's bias correction.
             # One pass per large tensor; the small ones in two foreach passes (fewer launches).
             small = [r for r in these if r.numel() < 1 << 16]
             for r in these:
@@ -135,6 +167,5 @@ def frozen_update_(
             if small:
                 torch._foreach_clamp_min_(small, -correction)
                 torch._foreach_clamp_max_(small, correction)
-        torch._foreach_add_([p32[i] for i in index], these, alpha=-(lr / correction))
-    for param, p in zip(params, p32, strict=True):
-        _write_back(param, p)
+        torch._foreach_mul_(these, -(lr / correction))
+        torch._foreach_add_([p32[i] for i in index], these)

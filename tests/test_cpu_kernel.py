@@ -108,6 +108,37 @@ def test_decode_equals_the_reference(numel, dtype):
     assert torch.equal(ref, native)
 
 
+@pytest.mark.parametrize("bounded", [True, False])
+@pytest.mark.parametrize("decay", [1.0, 1 - 3e-3 * 0.1])
+def test_the_update_pass_equals_the_torch_passes(bounded, decay):
+    """The one-pass update (kernels/cpu_update.c) against frozen_update_'s torch passes, bit for
+    bit: ragged sizes, a tensor above the threaded size, ratios inside and outside the clamp,
+    steps of three bias corrections, and a NaN kept through the clamp."""
+    from onebit_plugin.update import _frozen_update_passes
+
+    gen = torch.Generator().manual_seed(5)
+    sizes = [1, 7, 1001, 70001, cpu.PARALLEL_FROM + 13]
+    params = [torch.randn(n, generator=gen) for n in sizes]
+    moms = [torch.randn(n, generator=gen) * 1e-2 for n in sizes]
+    denoms = [torch.rand(n, generator=gen) * 2e-2 + 1e-8 for n in sizes]
+    moms[2][5] = float("nan")
+    corrections = [1 - 0.9**step for step in (1, 2, 40, 40, 7)]
+    lr = 3e-3
+    fused = [p.clone() for p in params]
+    for p, m, d, c in zip(fused, moms, denoms, corrections, strict=True):
+        cpu.frozen_update(p, m, d, decay=decay, scale=-(lr / c), bound=c if bounded else None)
+    passes = [p.clone() for p in params]
+    _frozen_update_passes(passes, moms, denoms, corrections, lr=lr, decay=decay,
+                          bounded=bounded, work=None)
+    clamped = sum(int(((m / d).abs() > c).sum()) for m, d, c in zip(moms, denoms, corrections))
+    assert clamped > 1000  # the clamp acts on many values
+    for a, b in zip(fused, passes, strict=True):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+        assert torch.equal(a.isnan(), b.isnan())
+    assert not torch.equal(fused[3], params[3])
+    assert fused[2][5].isnan()
+
+
 def test_the_cpu_path_is_the_default_and_rejects_what_it_cannot_read():
     layout, mask, x, error, _ = _case(1001, 2, 128, "rms")
     assert C.backend_for(x, None, x) == "cpu"
@@ -158,7 +189,7 @@ def test_a_bad_setting_is_a_clear_error(monkeypatch):
 
 def test_first_build_is_cached(tmp_path):
     (backend, seconds), said = _child({"XDG_CACHE_HOME": str(tmp_path)})
-    built = list((tmp_path / "onebit_plugin").glob("cpu_compress_*.so"))
+    built = list((tmp_path / "onebit_plugin").glob("onebit_cpu_*.so"))
     assert backend == "cpu" and len(built) == 1 and "onebit:" not in said
     print(f"first use, build included: {seconds} s")
     assert float(seconds) < 60
