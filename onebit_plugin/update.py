@@ -93,10 +93,11 @@ def frozen_update_(
     bounded: bool = True, masters: list[torch.Tensor | None] | None = None,
     work: list[torch.Tensor] | None = None,
 ) -> None:
-    """The compression-stage update of one parameter group, multi-tensor: each parameter moves
-    by ``-lr * m_hat / denom`` (``denom`` from :func:`frozen_denominator`, ``m_hat`` the averaged
-    momentum over its bias correction at the parameter's ``step``), with foreach ops (one
-    kernel per operation for the whole group, not one per parameter).
+    """The compression-stage update of one parameter group: each parameter moves by
+    ``-lr * m_hat / denom`` (``denom`` from :func:`frozen_denominator`, ``m_hat`` the averaged
+    momentum over its bias correction at the parameter's ``step``). fp32 CPU tensors take one
+    pass of the C kernel each (``kernels/cpu_update.c``, when it could be built); the others
+    foreach ops (one kernel per operation for the whole group), with the same bits.
 
     ``bounded``: the variance is taken as at least ``m_hat**2``, so each coordinate's
     ``m_hat / denom`` is clamped to +-1 (``lr`` per step). A second moment is never below the
