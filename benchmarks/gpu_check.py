@@ -264,15 +264,19 @@ def _gloo_rank(rank: int, world: int, port: int, device_type: str, queue) -> Non
         dist.init_process_group("gloo", rank=rank, world_size=world)
         device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
         result = {}
-        for path in ("optimizer", "ddp_hook"):  # the hook runs the background thread's path
+        # The hook runs the background thread's path; with bucket views it leaves the units
+        # the last bucket completes to step(), whose p.grad are then DDP's bucket itself.
+        for path in ("optimizer", "ddp_hook", "ddp_hook_bucket_views"):
             model = _model(device)
             opt = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=3, comm_timeout=60)
-            if path == "ddp_hook":
+            if path.startswith("ddp_hook"):
                 from torch.nn.parallel import DistributedDataParallel
 
                 from onebit_plugin.ddp_hook import register_onebit_hook
 
-                model = DistributedDataParallel(model, bucket_cap_mb=0.01)
+                model = DistributedDataParallel(
+                    model, bucket_cap_mb=0.01,
+                    gradient_as_bucket_view=path == "ddp_hook_bucket_views")
                 register_onebit_hook(model, opt)
             gen = torch.Generator(device=device).manual_seed(rank)
             for _ in range(8):

@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -124,8 +125,20 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+_budget = threading.local()
+
+
+def beside_backward() -> None:
+    """Called on OneBitAdam's background thread (once, as it starts): the passes it runs
+    overlap backward, whose intra-op threads already hold every core, so they take one thread
+    each; in ``step()`` (any other thread) they take torch's intra-op thread count."""
+    _budget.threads = 1
+
+
 def _threads(values: int) -> int:
-    return torch.get_num_threads() if values >= PARALLEL_FROM else 1
+    if values < PARALLEL_FROM:
+        return 1
+    return getattr(_budget, "threads", None) or torch.get_num_threads()
 
 
 def _ptr(t: torch.Tensor) -> int:

@@ -121,9 +121,16 @@ def comm_executor(group) -> ThreadPoolExecutor:
     with _EXECUTORS_LOCK:
         executor = _EXECUTORS.get(group)
         if executor is None:
-            executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onebit-comm")
+            executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onebit-comm",
+                                          initializer=_beside_backward)
             _EXECUTORS[group] = executor
         return executor
+
+
+def _beside_backward() -> None:
+    from onebit_plugin.kernels import cpu
+
+    cpu.beside_backward()
 
 
 def _as_timedelta(timeout) -> timedelta | None:

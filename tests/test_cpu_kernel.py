@@ -130,13 +130,29 @@ def test_the_update_pass_equals_the_torch_passes(bounded, decay):
     passes = [p.clone() for p in params]
     _frozen_update_passes(passes, moms, denoms, corrections, lr=lr, decay=decay,
                           bounded=bounded, work=None)
-    clamped = sum(int(((m / d).abs() > c).sum()) for m, d, c in zip(moms, denoms, corrections))
+    clamped = sum(int(((m / d).abs() > c).sum())
+                  for m, d, c in zip(moms, denoms, corrections, strict=True))
     assert clamped > 1000  # the clamp acts on many values
     for a, b in zip(fused, passes, strict=True):
         assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
         assert torch.equal(a.isnan(), b.isnan())
     assert not torch.equal(fused[3], params[3])
     assert fused[2][5].isnan()
+
+
+def test_the_background_thread_runs_the_passes_on_one_thread():
+    """Beside backward (OneBitAdam's background thread) a large pass takes one thread; in
+    step() (here, the main thread) torch's intra-op thread count."""
+    from onebit_plugin.allreduce import comm_executor
+
+    big = cpu.PARALLEL_FROM
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert cpu._threads(big) == 2 and cpu._threads(big - 1) == 1
+        assert comm_executor(None).submit(cpu._threads, big).result() == 1
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_the_cpu_path_is_the_default_and_rejects_what_it_cannot_read():
