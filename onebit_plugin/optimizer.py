@@ -923,8 +923,10 @@ SUPPORTED_SETUPS = (
 
 def _changed(grad: torch.Tensor | None, handed: tuple[int, int]) -> bool:
     """Whether ``grad`` is no longer the bucket view the DDP hook handed over, or was written
-    since (any in-place op on a view of the bucket counts; one through ``.data`` does not)."""
-    return grad is None or (grad.data_ptr(), grad._version) != handed
+    since (any in-place op on a view of the bucket counts; one through ``.data`` does not).
+    None is not a change: DDP leaves the gradient of a parameter no rank used None (with
+    ``find_unused_parameters``), and the fold takes a missing gradient as zero."""
+    return grad is not None and (grad.data_ptr(), grad._version) != handed
 
 
 def _reject_sharded(params: list[torch.Tensor]) -> None:

@@ -1,6 +1,7 @@
 """The DDP comm hook: DDP-equal warm-up, the same numbers as the optimizer-side path, overlap
 with backward, lockstep with accumulation and unused parameters."""
 
+import logging
 import pickle
 
 import pytest
@@ -123,9 +124,12 @@ def test_with_bucket_views_the_last_units_go_to_step_with_the_same_numbers():
         assert torch.equal(a, b)
 
 
-def _lockstep_worker(rank, world):
+def _lockstep_worker(rank, world, views):
     torch.manual_seed(0)
-    model = nn.ModuleDict({"body": _mlp(width=48), "extra": nn.Linear(16, 4)})
+    # "dead" is never used, on any rank: DDP leaves its p.grad None. Registered first, it is in
+    # DDP's last bucket, whose units the hook leaves to step() with bucket views.
+    model = nn.ModuleDict({"dead": nn.Linear(16, 4), "body": _mlp(width=48),
+                           "extra": nn.Linear(16, 4)})
 
     class Net(nn.Module):
         def __init__(self):
@@ -136,9 +140,14 @@ def _lockstep_worker(rank, world):
             out = self.m["body"](x)
             return out + self.m["extra"](x) if use_extra else out
 
-    ddp = DDP(Net(), bucket_cap_mb=0.002, find_unused_parameters=True)
+    ddp = DDP(Net(), bucket_cap_mb=0.002, find_unused_parameters=True,
+              gradient_as_bucket_view=views)
     opt = OneBitAdam(ddp.parameters(), lr=1e-2, freeze_step=4, weight_decay=0.01)
     state = register_onebit_hook(ddp, opt)
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("onebit_plugin").addHandler(handler)
     stages = []
     for step in range(12):
         opt.zero_grad()
@@ -153,16 +162,21 @@ def _lockstep_worker(rank, world):
         stages.append(opt.stage)
         check_lockstep(ddp.parameters(), opt)
     return ([p.detach() for p in ddp.parameters()], stages, opt.switch_step, state.overlap,
-            len(opt.units), opt.bytes_sent, opt.dense_bytes)
+            len(opt.units), opt.bytes_sent, opt.dense_bytes,
+            [m for m in said if "changed" in m])
 
 
-def test_hook_lockstep_with_accumulation_and_unused_parameters():
-    results = run_ranks(_lockstep_worker, 2)
+@pytest.mark.parametrize("views", [False, True])
+def test_hook_lockstep_with_accumulation_and_unused_parameters(views):
+    """Accumulation under no_sync, a parameter unused on one rank and one unused on every rank
+    (whose p.grad DDP leaves None: not a change to report)."""
+    results = run_ranks(_lockstep_worker, 2, views)
     assert_ranks_identical([r[0] for r in results], "parameters")
-    _, stages, switch, overlap, buckets, sent, dense = results[0]
-    assert stages == ["warmup"] * 3 + ["compression"] * 9 and switch == 4
-    assert overlap and buckets > 1
-    assert sent < dense
+    for _, stages, switch, overlap, buckets, sent, dense, said in results:
+        assert stages == ["warmup"] * 3 + ["compression"] * 9 and switch == 4
+        assert overlap and buckets > 1
+        assert sent < dense
+        assert said == [], said
 
 
 def _overlap_worker(rank, world):
