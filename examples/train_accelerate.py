@@ -123,7 +123,8 @@ def main(argv=None) -> None:
                    "dense_bytes": getattr(inner, "dense_bytes", None),
                    "switch_step": getattr(inner, "switch_step", None),
                    "lr_of_optimizer": inner.param_groups[0]["lr"],
-                   "lr_of_scheduler": scheduler.get_last_lr()[0]}
+                   "lr_of_scheduler": scheduler.get_last_lr()[0],
+                   "gradient_as_bucket_view": getattr(model, "gradient_as_bucket_view", None)}
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         print(json.dumps(summary))
     accelerator.end_training()

@@ -12,8 +12,8 @@ passes the environment to every process -- ``prepare()``:
   param-group dicts (so LR schedulers built on the original keep working, and are re-pointed at
   the new optimizer), with the same lr, betas, eps, weight decay and AdamW semantics;
 * registers OneBitAdam's DDP comm hook on the model it wraps in DDP, which it wraps with
-  ``gradient_as_bucket_view=True`` unless the script passed its own
-  ``DistributedDataParallelKwargs`` (no gradient copies into DDP's buckets and back).
+  ``gradient_as_bucket_view=True`` (no gradient copies into DDP's buckets and back; the other
+  settings of a ``DistributedDataParallelKwargs`` the script gave are kept).
 
 Settings, all read from the environment when ``prepare()`` runs:
 
@@ -37,6 +37,7 @@ classes, which is why this is an environment flag read at ``prepare()``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -208,8 +209,13 @@ class Accelerator(accelerate.Accelerator):
         self._onebit_models: list[DistributedDataParallel] = []
         self._onebit_pending: list[OneBitAdam] = []
         self._said_idle = False
-        if self.onebit is not None and self.ddp_handler is None:
-            self.ddp_handler = accelerate.DistributedDataParallelKwargs(
+        if self.onebit is not None and not getattr(self.ddp_handler, "gradient_as_bucket_view",
+                                                   False):
+            # Also under a handler of the script's or transformers.Trainer's (which passes its
+            # own, with find_unused_parameters): False is the dataclass default, and what it
+            # costs is a copy of every gradient into DDP's buckets and back at each step.
+            self.ddp_handler = dataclasses.replace(
+                self.ddp_handler or accelerate.DistributedDataParallelKwargs(),
                 gradient_as_bucket_view=True)
         if self.onebit is not None and self.mixed_precision == "fp16":
             raise ValueError(
@@ -313,8 +319,9 @@ class Accelerator(accelerate.Accelerator):
                 "needs the run's length: a transformers.Trainer gives it, else set "
                 "ONEBIT_TOTAL_STEPS)")
         self.print(f"onebit: 1-bit Adam on: {type(opt).__name__} averages with the 1-bit hook "
-                   f"(overlap={self.onebit_hook_state.overlap}); the momentum is exchanged as "
-                   f"1-bit signs {when}")
+                   f"(overlap={self.onebit_hook_state.overlap}, DDP gradient_as_bucket_view="
+                   f"{self._onebit_models[0].gradient_as_bucket_view}); the momentum is "
+                   f"exchanged as 1-bit signs {when}")
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """``accelerate.Accelerator.clip_grad_norm_``; for the paired OneBitAdam's parameters,

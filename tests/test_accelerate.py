@@ -89,6 +89,10 @@ def test_unmodified_script_under_onebit_run(plain_run, joint_run, tmp_path, prep
     summary = json.loads((out / "summary.json").read_text())
     plain = json.loads((plain_run / "summary.json").read_text())
     assert summary["switch_step"] == 10 and summary["steps"] == 30
+    # The flag wraps with bucket views (the hook then leaves the last bucket's units to step());
+    # plain Accelerate keeps DDP's default.
+    assert summary["gradient_as_bucket_view"] is True
+    assert plain["gradient_as_bucket_view"] is False
     # The LR schedule (from lr 0) drives OneBitAdam, also when the scheduler was built on the
     # original AdamW and never passed to prepare().
     assert summary["lr_of_optimizer"] == summary["lr_of_scheduler"] > 0

@@ -49,7 +49,10 @@ def _launch(out: Path, onebit: bool, *args: str) -> str:
 def test_trainer_under_onebit_run_compresses_and_resumes_bitwise(tmp_path):
     plain, onebit, resumed = tmp_path / "plain", tmp_path / "onebit", tmp_path / "resumed"
     _launch(plain, False)
-    _launch(onebit, True, "--save-steps", "60")
+    log = _launch(onebit, True, "--save-steps", "60")
+    # transformers passes its own DistributedDataParallelKwargs (find_unused_parameters): the
+    # flag keeps it and adds bucket views.
+    assert "gradient_as_bucket_view=True" in log, log[-3000:]
     summary = json.loads((onebit / "summary.json").read_text())
     reference = json.loads((plain / "summary.json").read_text())
     assert reference["optimizer"] == "AdamW"
