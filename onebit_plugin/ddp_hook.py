@@ -248,9 +248,11 @@ def register_onebit_hook(
             "parameters"
         )
     if not model.gradient_as_bucket_view:
-        log.info("onebit: DistributedDataParallel(..., gradient_as_bucket_view=True) saves "
-                 "copying every gradient into DDP's buckets and back at each step, and lets "
-                 "the hook leave the units completed by the last bucket to optimizer.step()")
+        log.info("onebit: this DDP model was made without gradient_as_bucket_view=True: "
+                 "DDP copies every gradient into its buckets and back at each step, and the "
+                 "hook averages every momentum unit inside backward. "
+                 "DistributedDataParallel(model, gradient_as_bucket_view=True) saves the copies "
+                 "and lets the units the last bucket completes go to optimizer.step()")
     state = OneBitHookState(optimizer, model.process_group, overlap, record_timeline,
                             model.bucket_bytes_cap, model.gradient_as_bucket_view)
     model.register_comm_hook(state, onebit_hook)

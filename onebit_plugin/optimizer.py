@@ -599,13 +599,14 @@ class OneBitAdam(Optimizer):
     def _say_local_changed(self) -> None:
         self._said_local_changed = True
         log.warning(
-            "onebit: in the compression stage the DDP hook leaves the local gradients that "
-            "step() averages in p.grad, and something changed them after backward: "
-            "torch.nn.utils.clip_grad_norm_ there clips each rank's local gradient by its own "
-            "norm, not the averaged gradient by the average's, as it does for Adam under DDP. "
-            "Call optimizer.clip_grad_norm_(max_norm) instead (the Lightning and Fabric "
-            "strategies and onebit-run's Accelerator do); the changed gradients are used as "
-            "given")
+            "onebit: p.grad was changed between backward and step() (by "
+            "torch.nn.utils.clip_grad_norm_ or clip_grad_value_?). In the compression stage, "
+            "with gradient_as_bucket_view=True, the DDP hook leaves each rank's own local "
+            "gradient in p.grad for the parameters whose momentum step() averages, so torch's "
+            "clipping there clips every rank's gradient separately, before averaging; under "
+            "DDP with Adam it clips the averaged gradient. Call "
+            "optimizer.clip_grad_norm_(max_norm) instead (the Lightning and Fabric strategies "
+            "and onebit-run's Accelerator do). The changed gradients are used as given.")
 
     def _skip(self) -> None:
         """A step skipped on every rank (some rank's gradient was not finite): said each time,

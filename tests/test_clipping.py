@@ -176,7 +176,7 @@ def _torch_clip_worker(rank, world, views=False, clip=True):
         opt.step()
     return ([r.getMessage() for r in records if "p.grad holds the averaged momentum" in
              r.getMessage()],
-            [r.getMessage() for r in records if "leaves the local gradients" in r.getMessage()])
+            [r.getMessage() for r in records if "leaves each rank's own local" in r.getMessage()])
 
 
 def test_torch_clipping_of_the_averaged_momentum_is_said_once():
