@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,19 +24,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 from charlm import CharGPT  # noqa: E402
+from compression_throughput import bench  # noqa: E402  (its best-of timing)
 
 from onebit_plugin import CompressedAllreduce, OneBitAdam  # noqa: E402
 from onebit_plugin.kernels import cpu  # noqa: E402
 
 
 def best_ms(fn, repeat: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+    return bench(fn, repeat) * 1e3
 
 
 def main() -> None:
