@@ -154,11 +154,11 @@ def test_the_norm_sketch_is_unbiased_and_close():
     assert max(abs(r - 1) for r in ratios) < 0.35, ratios  # 4 standard deviations
 
 
-def _hooked_and_logged(views=False):
+def _hooked_and_logged(views=False, overlap=True):
     """A DDP model with the 1-bit hook (freeze at 2), and the package's log records."""
     model = DDP(_mlp(), gradient_as_bucket_view=views)
     opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
-    register_onebit_hook(model, opt)
+    register_onebit_hook(model, opt, overlap=overlap)
     records = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -166,8 +166,8 @@ def _hooked_and_logged(views=False):
     return model, opt, records
 
 
-def _torch_clip_worker(rank, world, views=False, clip=True):
-    model, opt, records = _hooked_and_logged(views)
+def _torch_clip_worker(rank, world, views=False, clip=True, overlap=True):
+    model, opt, records = _hooked_and_logged(views, overlap)
     for step in range(6):
         opt.zero_grad()
         _backward(model, rank, step)
@@ -185,14 +185,16 @@ def test_torch_clipping_of_the_averaged_momentum_is_said_once():
         assert said_local == []
 
 
-def test_torch_clipping_of_a_local_gradient_left_to_step_is_said_once():
-    """With bucket views the hook leaves this one-unit model to step(): p.grad holds the local
-    gradient, and torch's clipping of it (each rank by its own norm) is seen from the bucket's
-    version count and said once; without clipping nothing is said."""
-    for said, said_local in run_ranks(_torch_clip_worker, 2, True):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_torch_clipping_of_a_local_gradient_left_to_step_is_said_once(overlap):
+    """With bucket views the hook leaves this one-unit model to step() (with overlap=False,
+    every unit): p.grad holds the local gradient, and torch's clipping of it (each rank by its
+    own norm) is seen from the bucket's version count and said once; without clipping nothing
+    is said."""
+    for said, said_local in run_ranks(_torch_clip_worker, 2, True, True, overlap):
         assert said == [] and len(said_local) == 1, (said, said_local)
         assert "optimizer.clip_grad_norm_(max_norm)" in said_local[0]
-    for said, said_local in run_ranks(_torch_clip_worker, 2, True, False):
+    for said, said_local in run_ranks(_torch_clip_worker, 2, True, False, overlap):
         assert said == [] and said_local == []
 
 
