@@ -325,7 +325,8 @@ class OneBitAdam(Optimizer):
 
     def defer_to_step(self, p: torch.Tensor, grad: torch.Tensor) -> None:
         """The DDP hook left ``p``'s local gradient in ``grad``, a view of DDP's bucket that
-        is ``p.grad`` (``gradient_as_bucket_view=True``), for ``step()`` to fold and average.
+        is ``p.grad`` (``gradient_as_bucket_view=True``), for ``step()`` to fold and average
+        (a unit the last bucket completed, or every unit with ``overlap=False``).
         Its version count is kept: ``step()`` folds whatever ``p.grad`` then holds, and says
         once when something changed it in between (torch's ``clip_grad_norm_`` would clip each
         rank's local gradient by its own norm). Call it after the hook's last write to the

@@ -114,14 +114,14 @@ def frozen_update_(
     decay = 1 - lr * weight_decay if weight_decay != 0 and decoupled else 1.0
     # |m_hat / denom| <= 1 is |m / denom| <= 1 - b1**step, before m's bias correction.
     corrections = [1 - beta1**step for step in steps]
-    fused = _cpu_kernel() is not None
+    kernel = _cpu_kernel()
     rest = []
     for i, (p, m, d) in enumerate(zip(p32, exp_avgs, denoms, strict=True)):
-        if fused and all(t.device.type == "cpu" and t.dtype == torch.float32
-                         and t.is_contiguous() for t in (p, m, d)):
+        if kernel is not None and all(t.device.type == "cpu" and t.dtype == torch.float32
+                                      and t.is_contiguous() for t in (p, m, d)):
             # One pass instead of the five below, the same bits (kernels/cpu_update.c).
-            _cpu_kernel().frozen_update(p, m, d, decay=decay, scale=-(lr / corrections[i]),
-                                        bound=corrections[i] if bounded else None)
+            kernel.frozen_update(p, m, d, decay=decay, scale=-(lr / corrections[i]),
+                                 bound=corrections[i] if bounded else None)
         else:
             rest.append(i)
     if rest:
