@@ -85,8 +85,8 @@ def merge_rounds(runs: list[dict]) -> dict:
     """One record from the rounds of one configuration: the first round's record (its losses
     and bytes; every round trains the same numbers), with each stage's step time, the phases
     the calibration C and M and the compression work and waiting as medians over the rounds,
-    and every round's step times kept
-    in ``rounds_step_s``."""
+    and every round's step times and C kept in ``rounds_step_s`` and
+    ``rounds_compute_only_step_s``."""
     def median(values):
         values = sorted(values)
         return values[len(values) // 2] if len(values) % 2 else sum(
@@ -94,6 +94,7 @@ def merge_rounds(runs: list[dict]) -> dict:
 
     merged = dict(runs[0])
     merged["rounds_step_s"] = [r["mean_step_s"] for r in runs]
+    merged["rounds_compute_only_step_s"] = [r["compute_only_step_s"] for r in runs]
     merged["mean_step_s"] = {stage: median([r["mean_step_s"][stage] for r in runs])
                              for stage in runs[0]["mean_step_s"]}
     merged["mean_phase_s"] = {
