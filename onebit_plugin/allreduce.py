@@ -330,11 +330,12 @@ class OneBitAllreduce(_Communicator):
         timeout: seconds each collective may take before the call raises
             :class:`CommunicationError`.
 
-    Non-finite input on any rank skips the call on *every* rank: that rank sends NaN scales
-    instead of compressing (its worker error untouched), the servers pass the NaN on instead of
-    updating their errors, and every rank sees it in the scales the servers send -- no extra
-    collective.
-    Ranks whose input was finite keep that compression's (finite) worker residual.
+    Non-finite input on any rank skips the call on *every* rank, with no extra collective and
+    no extra pass: the worker pass itself finds it (a value that is inf or NaN, or whose square
+    overflows, makes its block's scale non-finite). That rank then sends NaN scales and clears
+    its worker error, which the pass has overwritten; the servers pass the NaN on instead of
+    updating their errors, and every rank sees it in the scales the servers send. Ranks whose
+    input was finite keep that compression's (finite) worker residual.
     """
 
     compressed = True
@@ -348,10 +349,13 @@ class OneBitAllreduce(_Communicator):
 
     def _reduce(self, tensor, out, plan: Plan, errors) -> bool:
         lay, w = plan.layout, plan.wire
-        if all_finite([tensor]):
-            worker_compress(tensor, errors["worker"], plan.mask, lay, w.send_packed,
-                            w.send_scales, w.scratch)
-        else:  # tell every server, and through them every rank, without touching the error
+        worker_compress(tensor, errors["worker"], plan.mask, lay, w.send_packed, w.send_scales,
+                        w.scratch)
+        if not bool(torch.isfinite(w.send_scales).all()):
+            # Tell every server, and through them every rank. The error now holds residuals
+            # of a compression that is dropped (inf or NaN where the input was): cleared, it
+            # loses at most one step's residual, on a step that is skipped anyway.
+            errors["worker"].zero_()
             w.send_packed.zero_()
             w.send_scales.fill_(float("nan"))
         w.to_rows(w.send_packed, w.send_scales)
@@ -360,6 +364,9 @@ class OneBitAllreduce(_Communicator):
         if bool(torch.isfinite(w.recv_scales).all()):
             server_compress(w.recv_packed, w.recv_scales, errors["server"], plan.chunk_mask,
                             lay, w.own_packed, w.own_scales, w.scratch)
+            if not bool(torch.isfinite(w.own_scales).all()):  # the sum overflowed
+                errors["server"].zero_()
+                w.own_scales.fill_(float("nan"))
         else:
             w.own_packed.zero_()
             w.own_scales.fill_(float("nan"))
