@@ -91,12 +91,15 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.onebit_worker_compress.argtypes = [p, i32, i64, p, p, p, p, p, i64, i64, i64, i32, i32]
     lib.onebit_worker_compress.restype = i32
+    lib.onebit_worker_compress_fold.argtypes = [p, p, i64, p, p, p, p, i64, p, p, p, p, p, i64,
+                                                i64, i64, i32, i32]
+    lib.onebit_worker_compress_fold.restype = i32
     lib.onebit_server_compress.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, i32, i32]
     lib.onebit_server_compress.restype = i32
     lib.onebit_decompress.argtypes = [p, p, p, p, i64, i64, i64, i32]
     lib.onebit_decompress.restype = None
     f64 = ctypes.c_double
-    lib.onebit_frozen_update.argtypes = [p, p, p, i64, f64, f64, f64, i32, i32]
+    lib.onebit_frozen_update.argtypes = [p, p, p, p, i64, f64, f64, f64, i32, i32]
     lib.onebit_frozen_update.restype = None
     return lib
 
@@ -145,14 +148,23 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
-def worker_compress(x, error, mask, layout, packed, scales, tile: int) -> None:
-    """The worker pass; ``x`` fp32 or bf16, contiguous, on the CPU."""
-    if x.dtype not in (torch.float32, torch.bfloat16):
+def worker_compress(x, error, mask, layout, packed, scales, tile: int, fold=None) -> None:
+    """The worker pass; ``x`` fp32 or bf16, contiguous, on the CPU; or, with ``fold`` (the
+    momentum of a unit, fp32, and ``onebit_plugin.update.Fold.cpu_table()``), the fold of the
+    unit's gradients, computed inside the pass (``x`` unused)."""
+    common = (_ptr(error), _ptr(mask.keep), _ptr(mask.counts), _ptr(packed), _ptr(scales),
+              layout.num_blocks, layout.block, tile, int(layout.scale == "rms"),
+              _threads(layout.padded_numel))
+    if fold is not None:
+        momentum, (offsets, grads, bf16, params, hypers) = fold
+        rc = library().onebit_worker_compress_fold(
+            _ptr(momentum), _ptr(offsets), grads.numel(), _ptr(grads), _ptr(bf16),
+            _ptr(params), _ptr(hypers), layout.numel, *common)
+    elif x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the CPU kernel reads fp32 or bf16 input, got {x.dtype}")
-    rc = library().onebit_worker_compress(
-        _ptr(x), int(x.dtype == torch.bfloat16), layout.numel, _ptr(error), _ptr(mask.keep),
-        _ptr(mask.counts), _ptr(packed), _ptr(scales), layout.num_blocks, layout.block, tile,
-        int(layout.scale == "rms"), _threads(layout.padded_numel))
+    else:
+        rc = library().onebit_worker_compress(_ptr(x), int(x.dtype == torch.bfloat16),
+                                              layout.numel, *common)
     if rc != 0:
         raise MemoryError("onebit: the CPU compression could not allocate its scratch")
 
@@ -174,10 +186,12 @@ def decompress(packed, scales, mask, layout, out) -> None:
                                 _threads(layout.padded_numel))
 
 
-def frozen_update(param, exp_avg, denom, *, decay: float, scale: float, bound: float | None
-                  ) -> None:
+def frozen_update(param, exp_avg, denom, *, decay: float, scale: float, bound: float | None,
+                  into=None) -> None:
     """``param = param * decay + clamp(exp_avg / denom, -bound, bound) * scale`` in one pass
-    (no clamp for ``bound=None``), the torch passes' bits; fp32, contiguous, CPU, one size."""
-    library().onebit_frozen_update(_ptr(param), _ptr(exp_avg), _ptr(denom), param.numel(),
+    (no clamp for ``bound=None``), the torch passes' bits, and ``exp_avg`` copied ``into`` a
+    tensor on the way (None: not copied); fp32, contiguous, CPU, one size."""
+    library().onebit_frozen_update(_ptr(param), _ptr(exp_avg), _ptr(denom),
+                                   None if into is None else _ptr(into), param.numel(),
                                    decay, scale, 0.0 if bound is None else bound,
                                    int(bound is not None), _threads(param.numel()))

@@ -122,19 +122,81 @@ static int pick_threads(int threads, int64_t blocks) {
     return blocks < threads ? (int)(blocks > 0 ? blocks : 1) : threads;
 }
 
+/* A momentum unit's fold, described (onebit_plugin.update.Fold): parameter k holds values
+ * [offsets[k], offsets[k+1]) of the unit; its gradient grads[k] (NULL: none; bf16 where
+ * bf16[k]), its fp32 parameter params[k] (read for coupled weight decay only), and hypers[3k..]
+ * = beta1, 1 - beta1, coupled weight decay. */
+typedef struct {
+    const float *momentum;
+    const int64_t *offsets;
+    int64_t parts;
+    const int64_t *grads, *params;
+    const int32_t *bf16;
+    const double *hypers;
+} fold_table;
+
+/* c[0..len) = the fold of values [at, at + len) of part k: torch.lerp(m, g + wd * p, 1 - b1)
+ * with torch's rounding on a CPU with FMA (its AVX2, AVX-512 and NEON kernels round lerp and
+ * add(alpha=) once each: fma(wd, p, g), then fma(w, g' - m, m) for w < 0.5, else
+ * fma(w - 1, g' - m, g')); no gradient: m * b1. The fmaf calls are explicit; -ffp-contract=off
+ * fuses nothing else. */
+static void fold_part(const fold_table *t, int64_t k, int64_t at, int64_t len, float *restrict c,
+                      float *restrict g32) {
+    const float *restrict m = t->momentum + at;
+    const double *h = t->hypers + 3 * k;
+    const float b = (float)h[0], w = (float)h[1], a = (float)h[2];
+    int64_t from = at - t->offsets[k];
+    if (t->grads[k] == 0) {
+        for (int64_t i = 0; i < len; i++) c[i] = m[i] * b;
+        return;
+    }
+    const float *g = (const float *)(intptr_t)t->grads[k] + from;
+    if (t->bf16[k]) {
+        const uint16_t *restrict gb = (const uint16_t *)(intptr_t)t->grads[k] + from;
+        for (int64_t i = 0; i < len; i++) g32[i] = bf16_to_float(gb[i]);
+        g = g32;
+    }
+    if (a != 0.0f) {
+        const float *restrict p = (const float *)(intptr_t)t->params[k] + from;
+        for (int64_t i = 0; i < len; i++) g32[i] = fmaf(p[i], a, g[i]);
+        g = g32;
+    }
+    if (fabsf(w) < 0.5f)
+        for (int64_t i = 0; i < len; i++) c[i] = fmaf(w, g[i] - m[i], m[i]);
+    else
+        for (int64_t i = 0; i < len; i++) c[i] = fmaf(w - 1.0f, g[i] - m[i], g[i]);
+}
+
+/* c[0..len) = the fold of the unit's values [start, start + len), part by part. */
+static void fold_values(const fold_table *t, int64_t start, int64_t len, float *restrict c,
+                        float *restrict g32) {
+    int64_t lo = 0, hi = t->parts - 1; /* the last part starting at or before start */
+    while (lo < hi) {
+        int64_t mid = (lo + hi + 1) / 2;
+        if (t->offsets[mid] <= start) lo = mid; else hi = mid - 1;
+    }
+    for (int64_t k = lo, at = start, end = start + len; at < end; k++) {
+        int64_t stop = t->offsets[k + 1] < end ? t->offsets[k + 1] : end;
+        if (stop > at) fold_part(t, k, at, stop - at, c + (at - start), g32 + (at - start));
+        at = stop > at ? stop : at;
+    }
+}
+
 /* Worker pass: c = (x + err) where kept, else 0; x has n values (fp32, or bf16 when x_bf16),
- * err and keep blocks * block. Returns 0, or -1 when scratch could not be allocated. */
-int onebit_worker_compress(const void *x, int x_bf16, int64_t n, float *err, const uint8_t *keep,
-                           const float *counts, uint8_t *packed, float *scales, int64_t blocks,
-                           int64_t block, int64_t tile, int rms, int threads) {
+ * or with fold != NULL is the fold of the unit's gradients, computed here (x unused): the
+ * local momentum is never written, and each of its inputs read once. err and keep hold
+ * blocks * block values. Returns 0, or -1 when scratch could not be allocated. */
+static int worker_pass(const void *x, int x_bf16, const fold_table *fold, int64_t n, float *err,
+                       const uint8_t *keep, const float *counts, uint8_t *packed, float *scales,
+                       int64_t blocks, int64_t block, int64_t tile, int rms, int threads) {
     int failed = 0;
 #pragma omp parallel num_threads(pick_threads(threads, blocks)) reduction(| : failed)
     {
-        float *c = malloc(sizeof(float) * (size_t)(block + tile));
+        float *c = malloc(sizeof(float) * (size_t)(2 * block + tile));
         if (c == NULL) {
             failed = 1;
         } else {
-            float *terms = c + block;
+            float *terms = c + block, *g32 = terms + tile;
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < blocks; b++) {
                 int64_t start = b * block;
@@ -142,7 +204,13 @@ int onebit_worker_compress(const void *x, int x_bf16, int64_t n, float *err, con
                 const uint8_t *restrict kb = keep + start;
                 float *restrict eb = err + start;
                 /* Loads outside the selects, so that the loops vectorise. */
-                if (x_bf16) {
+                if (fold != NULL) {
+                    fold_values(fold, start, inside, c, g32);
+                    for (int64_t i = 0; i < inside; i++) {
+                        float v = eb[i] + c[i];
+                        c[i] = kb[i] ? v : 0.0f;
+                    }
+                } else if (x_bf16) {
                     const uint16_t *restrict xb = (const uint16_t *)x + start;
                     for (int64_t i = 0; i < inside; i++) {
                         float v = eb[i] + bf16_to_float(xb[i]);
@@ -167,6 +235,26 @@ int onebit_worker_compress(const void *x, int x_bf16, int64_t n, float *err, con
         }
     }
     return failed ? -1 : 0;
+}
+
+int onebit_worker_compress(const void *x, int x_bf16, int64_t n, float *err, const uint8_t *keep,
+                           const float *counts, uint8_t *packed, float *scales, int64_t blocks,
+                           int64_t block, int64_t tile, int rms, int threads) {
+    return worker_pass(x, x_bf16, NULL, n, err, keep, counts, packed, scales, blocks, block, tile,
+                       rms, threads);
+}
+
+/* The worker pass over a momentum unit's fold (fold_table above): offsets has parts + 1
+ * entries, the last = n. */
+int onebit_worker_compress_fold(const float *momentum, const int64_t *offsets, int64_t parts,
+                                const int64_t *grads, const int32_t *bf16, const int64_t *params,
+                                const double *hypers, int64_t n, float *err, const uint8_t *keep,
+                                const float *counts, uint8_t *packed, float *scales,
+                                int64_t blocks, int64_t block, int64_t tile, int rms,
+                                int threads) {
+    fold_table t = {momentum, offsets, parts, grads, params, bf16, hypers};
+    return worker_pass(NULL, 0, &t, n, err, keep, counts, packed, scales, blocks, block, tile,
+                       rms, threads);
 }
 
 /* Server pass over one chunk of blocks_per_chunk blocks: decode the world senders' copies

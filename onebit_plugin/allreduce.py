@@ -36,6 +36,7 @@ from onebit_plugin.compression import (
     server_compress,
     worker_compress,
 )
+from onebit_plugin.update import Fold
 
 __all__ = [
     "CommunicationError",
@@ -243,8 +244,11 @@ class _Communicator:
                 out: torch.Tensor | None = None) -> bool:
         """Write the average of ``tensor`` over the group's ranks into ``out`` (default:
         ``tensor``); masked coordinates come out exactly 0. Returns False, on every rank alike
-        and with ``out`` untouched, when some rank's input was not finite."""
-        out = tensor if out is None else out
+        and with ``out`` untouched, when some rank's input was not finite. ``tensor`` may be
+        a :class:`~onebit_plugin.update.Fold` (default ``out``: its ``out``), which the 1-bit
+        communicator's CPU kernel folds as it compresses."""
+        if out is None:
+            out = tensor.out if isinstance(tensor, Fold) else tensor
         started, waited = time.perf_counter(), self.wait_seconds
         with self._lock:
             ok = self._reduce(tensor, out, plan, errors)
@@ -304,6 +308,8 @@ class ExactAllreduce(_Communicator):
     """fp32 sum allreduce, then ``/ W``: frozen-variance Adam without compression."""
 
     def _reduce(self, tensor, out, plan: Plan, errors) -> bool:
+        if isinstance(tensor, Fold):
+            tensor = tensor.materialize()
         if out is not tensor:
             out.copy_(tensor)
         if self.world_size > 1:

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from onebit_plugin.update import Fold
+
 __all__ = [
     "BACKENDS",
     "ChunkLayout",
@@ -310,7 +312,9 @@ def worker_compress(
     """Worker side: compress ``x + error`` into ``packed``/``scales`` and update ``error``.
 
     Args:
-        x: contiguous input of ``layout.numel`` values (fp32, bf16 or fp16).
+        x: contiguous input of ``layout.numel`` values (fp32, bf16 or fp16), or a
+            :class:`~onebit_plugin.update.Fold` of that many: the CPU kernel folds it inside
+            the pass, other backends fold it into its ``out`` first.
         error: fp32 worker error, ``layout.padded_numel`` values, updated in place.
         mask: the layout's :class:`CoordinateMask`.
         packed: uint8 output, ``padded_numel // 8`` bytes.
@@ -318,7 +322,16 @@ def worker_compress(
         buf: scratch for ``padded_numel`` values (torch path); allocated when omitted.
         backend: see :func:`backend_for`.
     """
-    chosen = backend_for(x, backend, x, error, packed, scales)
+    fold = None
+    if isinstance(x, Fold):
+        chosen = backend_for(x.out, backend, x.out, x.exp_avg, error, packed, scales)
+        table = x.cpu_table() if chosen == "cpu" else None
+        if table is None:
+            x = x.materialize()
+        else:
+            fold = (x.exp_avg, table)
+    else:
+        chosen = backend_for(x, backend, x, error, packed, scales)
     if chosen == "triton":
         from onebit_plugin.kernels import worker_compress as kernel
 
@@ -327,7 +340,8 @@ def worker_compress(
     if chosen == "cpu":
         from onebit_plugin.kernels import cpu
 
-        cpu.worker_compress(x, error, mask, layout, packed, scales, block_tile(layout.block))
+        cpu.worker_compress(x, error, mask, layout, packed, scales, block_tile(layout.block),
+                            fold)
         return
     buf = _check_buffers(buf, layout.padded_numel, layout.block, x.device)
     # c = x + error, built in the error buffer (its padding is always 0).

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from onebit_plugin.update import clip_folded_, fold_gradient_
+from onebit_plugin.update import Fold, clip_folded_, fold_gradient_
 
 __all__ = ["MomentumUnit", "partition"]
 
@@ -95,9 +95,19 @@ class MomentumUnit:
         if self.masked is not None and hyper["weight_decay"] != 0:
             averaged.masked_fill_(self.view(p, self.masked), 0.0)
 
-    def reduce_(self, comm) -> bool:
-        """Average the local momentum in place, now; False when some rank's was not finite."""
-        return comm.reduce_(self.local, self.plan, self.errors)
+    def reduce_(self, comm, grads: dict | None = None) -> bool:
+        """Average the local momentum in place, now; False when some rank's was not finite.
+        With ``grads`` (every parameter's local gradient, or None), fold them first, as
+        :meth:`fold_` does: the communicator gets the fold described (``update.Fold``), which
+        the CPU kernel computes inside its worker pass instead of writing and re-reading it."""
+        if grads is None:
+            return comm.reduce_(self.local, self.plan, self.errors)
+        parts = []
+        for p in self.params:
+            hyper = self.hypers[p]
+            coupled = 0.0 if hyper["decoupled_weight_decay"] else hyper["weight_decay"]
+            parts.append((self.offsets[p], p, grads[p], hyper["betas"][0], coupled))
+        return comm.reduce_(Fold(self.local, self.momentum, parts), self.plan, self.errors)
 
     def submit(self, comm) -> torch.futures.Future:
         """:meth:`reduce_` on the communicator's background thread."""

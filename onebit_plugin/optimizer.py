@@ -777,15 +777,14 @@ class OneBitAdam(Optimizer):
             for p in unit.params:
                 if p in handed and not self._said_local_changed and _changed(p.grad, handed[p]):
                     self._say_local_changed()
-                unit.fold_(p, p.grad)
-            ok &= unit.reduce_(self.communicator)
+            ok &= unit.reduce_(self.communicator, {p: p.grad for p in unit.params})
         if not ok:
             return self._skip()
         self._skip_streak = 0
         coef = self._clip_coef if self._clip_coef is not None and self._clip_coef < 1 else None
         for unit in self.units:
-            # The new momentum is built in the fold buffer, then copied over the old one: the
-            # fold buffer then holds it too, and serves the update as scratch.
+            # The new momentum is built in the fold buffer; the update's pass copies it over
+            # the old one (the fold buffer then serves the torch passes as scratch).
             if unit in averaged or coef is not None:
                 for p in unit.params:
                     new = unit.view(p, unit.local)
@@ -799,7 +798,6 @@ class OneBitAdam(Optimizer):
                         new.copy_(p.grad)
                     if coef is not None:
                         unit.clip_(p, new, coef)
-            unit.momentum.copy_(unit.local)
         steps = [self.state[p]["step"] for p in self._trainable()]
         torch._foreach_add_(steps, 1.0)
         step_of = dict(zip(self._trainable(), torch.stack(steps).tolist(), strict=True))
@@ -815,7 +813,7 @@ class OneBitAdam(Optimizer):
                 weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
                 bounded=self.bound_update,
                 masters=[self._master(p, self.state[p]) for p in params],
-                work=[u.view(p, u.local) for u, p in zip(units, params, strict=True)])
+                averaged=[u.view(p, u.local) for u, p in zip(units, params, strict=True)])
 
     # ---------------------------------------------------------------------------- state dict
     def state_dict(self) -> dict:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["adam_update_", "clip_folded_", "fold_gradient_", "frozen_denominator",
+__all__ = ["Fold", "adam_update_", "clip_folded_", "fold_gradient_", "frozen_denominator",
            "frozen_update_"]
 
 
@@ -66,6 +66,50 @@ def fold_gradient_(
     torch.lerp(exp_avg, grad, 1 - beta1, out=out)
 
 
+class Fold:
+    """The fold of a momentum unit's local gradients, described and not yet done: for each part
+    ``(offset, param, grad, beta1, weight_decay)``, :func:`fold_gradient_` of ``grad`` into
+    ``out[offset:]`` from ``exp_avg[offset:]`` (``weight_decay`` the coupled one, or 0). The CPU
+    kernel's worker pass folds on the fly as it compresses (``kernels/cpu_compress.c``: the fold
+    is never written, and the pass before it that summed it for finiteness is gone); every other
+    path calls :meth:`materialize` and compresses ``out``, with the same bits."""
+
+    __slots__ = ("out", "exp_avg", "parts")
+
+    def __init__(self, out: torch.Tensor, exp_avg: torch.Tensor, parts: list[tuple]):
+        self.out, self.exp_avg, self.parts = out, exp_avg, parts
+
+    def materialize(self) -> torch.Tensor:
+        """Fold into ``out``, now; returns it."""
+        for offset, param, grad, beta1, weight_decay in self.parts:
+            n = param.numel()
+            fold_gradient_(self.exp_avg[offset : offset + n].view_as(param), grad, param,
+                           beta1=beta1, weight_decay=weight_decay, decoupled=False,
+                           out=self.out[offset : offset + n].view_as(param))
+        return self.out
+
+    def cpu_table(self) -> tuple[torch.Tensor, ...] | None:
+        """The parts as the CPU kernel reads them (offsets, gradient and parameter addresses,
+        bf16 flags, hyperparameters), or None when one does not fit it (a gradient not fp32 or
+        bf16, contiguous and on the CPU; a parameter read for weight decay not fp32)."""
+        offsets, grads, params, bf16, hypers = [], [], [], [], []
+        for offset, param, grad, beta1, weight_decay in self.parts:
+            if grad is not None and not _fits_cpu_kernel(grad, dtypes=(torch.float32,
+                                                                          torch.bfloat16)):
+                return None
+            if grad is not None and weight_decay != 0 and not _fits_cpu_kernel(param):
+                return None
+            offsets.append(offset)
+            grads.append(0 if grad is None else grad.data_ptr())
+            params.append(param.data_ptr() if weight_decay != 0 else 0)
+            bf16.append(int(grad is not None and grad.dtype == torch.bfloat16))
+            hypers += [beta1, 1 - beta1, weight_decay]
+        offsets.append(self.out.numel())
+        return (torch.tensor(offsets, dtype=torch.int64), torch.tensor(grads, dtype=torch.int64),
+                torch.tensor(bf16, dtype=torch.int32), torch.tensor(params, dtype=torch.int64),
+                torch.tensor(hypers, dtype=torch.float64))
+
+
 def clip_folded_(
     averaged: torch.Tensor, exp_avg: torch.Tensor, param: torch.Tensor, coef: float, *,
     beta1: float, weight_decay: float, decoupled: bool,
@@ -91,7 +135,7 @@ def frozen_update_(
     params: list[torch.Tensor], exp_avgs: list[torch.Tensor], denoms: list[torch.Tensor],
     steps: list[float], *, lr: float, beta1: float, weight_decay: float, decoupled: bool,
     bounded: bool = True, masters: list[torch.Tensor | None] | None = None,
-    work: list[torch.Tensor] | None = None,
+    averaged: list[torch.Tensor] | None = None,
 ) -> None:
     """The compression-stage update of one parameter group: each parameter moves by
     ``-lr * m_hat / denom`` (``denom`` from :func:`frozen_denominator`, ``m_hat`` the averaged
@@ -106,9 +150,10 @@ def frozen_update_(
     coordinate run away. The clamp acts on each step's decoded momentum (``+-scale`` per
     coordinate, right only on average through error feedback), so it also slows coordinates
     whose true step is inside the bound; docs/design.md, "Bounded steps", measures what that
-    costs. ``masters``: fp32 master copies (or None) per parameter. ``work``: tensors equal to
-    ``exp_avgs`` that may be overwritten (the optimizer passes its fold buffer, which holds the
-    averaged momentum by then); without it the ratios are allocated."""
+    costs. ``masters``: fp32 master copies (or None) per parameter. ``averaged``: the new
+    momenta (the optimizer passes its fold buffer, which holds the averaged momentum by then),
+    copied into ``exp_avgs`` by the same pass and then free to be overwritten; without it
+    ``exp_avgs`` already hold them, and the torch passes allocate their ratios."""
     masters = masters or [None] * len(params)
     p32 = [_fp32_param(p, m) for p, m in zip(params, masters, strict=True)]
     decay = 1 - lr * weight_decay if weight_decay != 0 and decoupled else 1.0
@@ -117,20 +162,29 @@ def frozen_update_(
     kernel = _cpu_kernel()
     rest = []
     for i, (p, m, d) in enumerate(zip(p32, exp_avgs, denoms, strict=True)):
-        if kernel is not None and all(t.device.type == "cpu" and t.dtype == torch.float32
-                                      and t.is_contiguous() for t in (p, m, d)):
-            # One pass instead of the five below, the same bits (kernels/cpu_update.c).
-            kernel.frozen_update(p, m, d, decay=decay, scale=-(lr / corrections[i]),
-                                 bound=corrections[i] if bounded else None)
+        new = m if averaged is None else averaged[i]
+        if kernel is not None and _fits_cpu_kernel(p, m, d, new):
+            # One pass instead of the six below, the same bits (kernels/cpu_update.c).
+            kernel.frozen_update(p, new, d, decay=decay, scale=-(lr / corrections[i]),
+                                 bound=corrections[i] if bounded else None,
+                                 into=None if averaged is None else m)
         else:
             rest.append(i)
     if rest:
+        work = None
+        if averaged is not None:
+            work = [averaged[i] for i in rest]
+            torch._foreach_copy_([exp_avgs[i] for i in rest], work)
         _frozen_update_passes([p32[i] for i in rest], [exp_avgs[i] for i in rest],
                               [denoms[i] for i in rest], [corrections[i] for i in rest],
-                              lr=lr, decay=decay, bounded=bounded,
-                              work=None if work is None else [work[i] for i in rest])
+                              lr=lr, decay=decay, bounded=bounded, work=work)
     for param, p in zip(params, p32, strict=True):
         _write_back(param, p)
+
+
+def _fits_cpu_kernel(*tensors: torch.Tensor, dtypes=(torch.float32,)) -> bool:
+    return all(t.device.type == "cpu" and t.dtype in dtypes and t.is_contiguous()
+               for t in tensors)
 
 
 def _cpu_kernel():

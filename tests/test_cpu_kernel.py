@@ -12,6 +12,7 @@ import torch
 from onebit_plugin import compression as C
 from onebit_plugin.compression import ChunkLayout, CoordinateMask
 from onebit_plugin.kernels import cpu
+from onebit_plugin.update import Fold
 from tests.procs import owned_processes
 
 if cpu.library() is None:  # said in the log: this machine has no C compiler
@@ -69,6 +70,71 @@ def test_worker_pass_equals_the_reference(numel, world, max_block, scale, dtype)
     assert torch.all(native[2][~mask.keep] == 0)
 
 
+def _fold_case(sizes, seed, grad_dtype):
+    """A unit of parameters of ``sizes``: every fourth without a gradient, the others with
+    ``grad_dtype`` gradients; betas, coupled weight decay and fp32 momenta that differ per
+    parameter (both lerp forms: 1 - beta1 below and above 0.5)."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(n, generator=gen) for n in sizes]
+    grads = [None if i % 4 == 3 else (torch.randn(n, generator=gen) * 3).to(grad_dtype)
+             for i, n in enumerate(sizes)]
+    offsets = [0]
+    for n in sizes[:-1]:
+        offsets.append(offsets[-1] + n)
+    parts = [(o, p, g, (0.9, 0.3, 0.999)[i % 3], (0.0, 0.01)[i % 2])
+             for i, (o, p, g) in enumerate(zip(offsets, params, grads, strict=True))]
+    momentum = torch.randn(sum(sizes), generator=gen)
+    return momentum, parts, gen
+
+
+@pytest.mark.parametrize("sizes", [[1], [5, 2048, 3], [1001, 7, 4099, 64, 9, 2047], [70001]])
+@pytest.mark.parametrize("world,max_block", [(1, 2048), (3, 64), (4, 136)])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_worker_pass_folds_a_unit_as_the_reference_does(sizes, world, max_block, grad_dtype):
+    """The worker pass over a Fold (the fold of each gradient computed inside the pass, parts
+    that start and end inside blocks) equals folding into the buffer with torch (lerp, add)
+    and compressing that, bit for bit; the buffer is not written."""
+    momentum, parts, gen = _fold_case(sizes, len(sizes) + world, grad_dtype)
+    numel = momentum.numel()
+    layout = ChunkLayout.create(numel, world, max_block, "rms")
+    mask = CoordinateMask.build(layout, torch.rand(numel, generator=gen) > 0.2)
+    error = torch.randn(layout.padded_numel, generator=gen) * 0.1 * mask.keep
+
+    def run(backend):
+        out = torch.full((numel,), 7.0)
+        err = error.clone()
+        packed = torch.empty(layout.padded_numel // 8, dtype=torch.uint8)
+        scales = torch.empty(layout.num_blocks)
+        C.worker_compress(Fold(out, momentum, parts), err, mask, layout, packed, scales,
+                          backend=backend)
+        return packed, scales, err, out
+
+    ref, native = _both(run)
+    for a, b in zip(ref[:3], native[:3], strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(native[3], torch.full((numel,), 7.0))  # folded on the fly
+    assert not torch.equal(ref[3], native[3])  # the reference folded into the buffer
+
+
+def test_a_fold_the_kernel_cannot_read_is_folded_first():
+    """An fp16 gradient (or one not contiguous) goes through the buffer, the same bits."""
+    momentum, parts, gen = _fold_case([300, 500], 5, torch.float32)
+    parts[0] = (*parts[0][:2], parts[0][2].half(), *parts[0][3:])
+    layout = ChunkLayout.create(800, 2, 64, "rms")
+    mask = CoordinateMask.build(layout, None)
+    results = []
+    for backend in ("torch", "cpu"):
+        out, err = torch.zeros(800), torch.zeros(layout.padded_numel)
+        packed = torch.empty(layout.padded_numel // 8, dtype=torch.uint8)
+        scales = torch.empty(layout.num_blocks)
+        C.worker_compress(Fold(out, momentum, parts), err, mask, layout, packed, scales,
+                          backend=backend)
+        results.append((packed, scales, err, out))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+    assert results[1][3].abs().sum() > 0  # folded into the buffer first
+
+
 @pytest.mark.parametrize("numel", SIZES)
 @pytest.mark.parametrize("world,max_block", LAYOUTS)
 @pytest.mark.parametrize("scale", ["rms", "mean"])
@@ -112,8 +178,9 @@ def test_decode_equals_the_reference(numel, dtype):
 @pytest.mark.parametrize("decay", [1.0, 1 - 3e-3 * 0.1])
 def test_the_update_pass_equals_the_torch_passes(bounded, decay):
     """The one-pass update (kernels/cpu_update.c) against frozen_update_'s torch passes, bit for
-    bit: ragged sizes, a tensor above the threaded size, ratios inside and outside the clamp,
-    steps of three bias corrections, and a NaN kept through the clamp."""
+    bit, with the averaged momentum copied into the optimizer's on the way: ragged sizes, a
+    tensor above the threaded size, ratios inside and outside the clamp, steps of three bias
+    corrections, and a NaN kept through the clamp."""
     from onebit_plugin.update import _frozen_update_passes
 
     gen = torch.Generator().manual_seed(5)
@@ -125,8 +192,16 @@ def test_the_update_pass_equals_the_torch_passes(bounded, decay):
     corrections = [1 - 0.9**step for step in (1, 2, 40, 40, 7)]
     lr = 3e-3
     fused = [p.clone() for p in params]
-    for p, m, d, c in zip(fused, moms, denoms, corrections, strict=True):
-        cpu.frozen_update(p, m, d, decay=decay, scale=-(lr / c), bound=c if bounded else None)
+    copies = [torch.full_like(m, 3.0) for m in moms]
+    for p, m, d, c, into in zip(fused, moms, denoms, corrections, copies, strict=True):
+        cpu.frozen_update(p, m, d, decay=decay, scale=-(lr / c), bound=c if bounded else None,
+                          into=into)
+    for m, into in zip(moms, copies, strict=True):  # the momentum copied on the way
+        assert torch.equal(into.nan_to_num(7.0), m.nan_to_num(7.0))
+    alone = params[3].clone()  # without a copy, the same update
+    cpu.frozen_update(alone, moms[3], denoms[3], decay=decay, scale=-(lr / corrections[3]),
+                      bound=corrections[3] if bounded else None)
+    assert torch.equal(alone, fused[3])
     passes = [p.clone() for p in params]
     _frozen_update_passes(passes, moms, denoms, corrections, lr=lr, decay=decay,
                           bounded=bounded, work=None)
