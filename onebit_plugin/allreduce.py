@@ -262,10 +262,11 @@ class _Communicator:
                out: torch.Tensor | None = None) -> torch.futures.Future:
         """:meth:`reduce_` on the group's background thread; the future's value is its bool."""
         event = None
-        if tensor.is_cuda:  # recorded on the tensor's device's stream, not the current device's
+        data = tensor.out if isinstance(tensor, Fold) else tensor
+        if data.is_cuda:  # recorded on the tensor's device's stream, not the current device's
             event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(tensor.device))
-        future = torch.futures.Future(devices=[tensor.device] if tensor.is_cuda else None)
+            event.record(torch.cuda.current_stream(data.device))
+        future = torch.futures.Future(devices=[data.device] if data.is_cuda else None)
 
         def job():
             try:
@@ -274,9 +275,9 @@ class _Communicator:
                     return
                 # The thread is bound to the tensor's GPU (else it would use, and open a context
                 # on, GPU 0); one side stream per communicator, after the producer's event.
-                torch.cuda.set_device(tensor.device)
+                torch.cuda.set_device(data.device)
                 if self._stream is None:
-                    self._stream = torch.cuda.Stream(device=tensor.device)
+                    self._stream = torch.cuda.Stream(device=data.device)
                 with torch.cuda.stream(self._stream):
                     self._stream.wait_event(event)
                     ok = self.reduce_(tensor, plan, errors, out)

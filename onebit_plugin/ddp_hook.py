@@ -5,9 +5,9 @@ optimizer's stage, the way torch's ``PowerSGDState.start_powerSGD_iter`` switche
 
 * warm-up: a mean allreduce of the bucket, the same numbers as DDP's default
   (``buffer / W``, then a sum allreduce);
-* compression stage: each of the bucket's *local* gradients is folded into the local momentum of
-  the optimizer's momentum unit that holds it; as soon as every gradient of a unit is in, the
-  unit is averaged on the process group's background thread while backward goes on. The
+* compression stage: as soon as every *local* gradient of one of the optimizer's momentum units
+  is in, the unit's fold of them is computed and averaged on the process group's background
+  thread while backward goes on. The
   averaged momentum comes back as the bucket's "gradient" and ``OneBitAdam.step()`` takes it
   from ``p.grad``. Gradient clipping must therefore go through
   ``OneBitAdam.clip_grad_norm_``, which clips the gradient inside the momentum using the
@@ -78,6 +78,7 @@ class OneBitHookState:
         "process_group", "comm_group", "world_size",  # communication
         "optimizer", "overlap",  # the optimizer whose stage and units the hook follows
         "remaining", "pending",  # this iteration: gradients to come per unit, its pending average
+        "grads",  # this iteration: the gradients in so far per unit
         "bucket_views", "deferred", "to_defer",  # units left to step(): this iteration, the next
         "record_timeline", "timeline",  # diagnostics
     )
@@ -98,6 +99,7 @@ class OneBitHookState:
         self.comm_group = optimizer.use_ddp_hook(process_group, overlap, bucket_bytes)
         self.remaining: dict[MomentumUnit, int] = {}
         self.pending: dict[MomentumUnit, torch.futures.Future] = {}
+        self.grads: dict[MomentumUnit, dict] = {}
         self.bucket_views = bucket_views
         # Units left to step() in this iteration, and those to leave unfolded in the next (they
         # completed with the last bucket in this one).
@@ -106,17 +108,22 @@ class OneBitHookState:
         self.record_timeline = record_timeline
         self.timeline: list[tuple[int, float, float]] = []
 
-    def arrived(self, unit: MomentumUnit, last: bool) -> torch.futures.Future:
-        """One more of ``unit``'s gradients is in (``last``: in DDP's last bucket); once all
-        are, start averaging it, or leave it to ``step()``. Returns the future of this
-        iteration's average of ``unit`` (done at once for a unit left to ``step()``)."""
+    def arrived(self, unit: MomentumUnit, p: torch.Tensor, grad: torch.Tensor, last: bool
+                ) -> torch.futures.Future:
+        """``p``'s local gradient ``grad`` is in (``last``: in DDP's last bucket); once all of
+        ``unit``'s are, start folding and averaging it, or leave it to ``step()``. Returns the
+        future of this iteration's average of ``unit`` (done at once for a unit left to
+        ``step()``)."""
         if unit not in self.pending:
             self.pending[unit] = torch.futures.Future()
             self.remaining[unit] = len(unit.params)
+            self.grads[unit] = {}
         pending = self.pending[unit]
         self.remaining[unit] -= 1
+        self.grads[unit][p] = grad
         if self.remaining[unit] == 0:
             del self.pending[unit], self.remaining[unit]
+            grads = self.grads.pop(unit)
             if self.bucket_views and (last or unit in self.to_defer):
                 self.deferred.add(unit)
                 pending.set_result(None)
@@ -130,12 +137,13 @@ class OneBitHookState:
                 except BaseException as exc:  # noqa: BLE001 - raised where DDP waits
                     pending.set_exception(exc)
 
-            unit.submit(opt.communicator).add_done_callback(done)
+            # The gradients are views of DDP's buckets, left alone until the futures complete.
+            unit.submit(opt.communicator, grads).add_done_callback(done)
         return pending
 
     def __getstate__(self):
         state = {slot: getattr(self, slot) for slot in self.__slots__}
-        state.update(process_group=None, comm_group=None, remaining={}, pending={},
+        state.update(process_group=None, comm_group=None, remaining={}, pending={}, grads={},
                      deferred=set(), to_defer=set())
         return state
 
@@ -173,8 +181,7 @@ def onebit_hook(
         unit = opt.unit_of(p)
         if unit not in state.to_defer:  # else step() folds it
             opt.note_local_gradient(p, grad)  # for clip_grad_norm_: p.grad will hold the average
-            unit.fold_(p, grad)
-        pending = state.arrived(unit, last)
+        pending = state.arrived(unit, p, grad, last)
         if all(pending is not w for w in waits):
             waits.append(pending)
 

@@ -4,8 +4,8 @@ A unit is a fixed set of parameters (cut once by :func:`partition`) whose moment
 flat fp32 buffer (the optimizer's ``state['exp_avg']`` are views of it), with a fold buffer for
 the local momentum, the mask of coordinates that take part, the communicator's plan and the
 error buffers. Both paths run the same units: ``OneBitAdam.step()`` folds and reduces them one
-after another when nothing else did, the DDP comm hook folds each gradient as its bucket is ready
-and reduces a unit in the background as soon as all its gradients are in. The units do not follow
+after another when nothing else did, the DDP comm hook folds and reduces a unit in the background
+as soon as all its gradients are in. The units do not follow
 DDP's buckets, which DDP rebuilds after the first iteration of every run: a resumed run
 compresses in the same layout as the uninterrupted one (docs/design.md, "Momentum units").
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from onebit_plugin.update import Fold, clip_folded_, fold_gradient_
+from onebit_plugin.update import Fold, clip_folded_
 
 __all__ = ["MomentumUnit", "partition"]
 
@@ -67,8 +67,9 @@ class MomentumUnit:
         masked = keep.logical_not()
         self.momentum.masked_fill_(masked, 0.0)
         self.masked = masked if bool(masked.any()) else None  # for clip_
-        # Gradients are folded into this copy; the average replaces it in place, and reaches
-        # the momentum only once every unit of the step came back finite.
+        # Gradients are folded into this copy (the CPU kernel folds them on the fly instead);
+        # the average comes back into it, and reaches the momentum (copied by the update's
+        # pass) only once every unit of the step came back finite.
         self.local = torch.empty_like(self.momentum)
         self.plan = comm.plan(numel, keep, device)
         self.errors = self.plan.new_errors()
@@ -79,13 +80,6 @@ class MomentumUnit:
         buffer = self.momentum if buffer is None else buffer
         return buffer[start : start + p.numel()].view_as(p)
 
-    def fold_(self, p: torch.Tensor, grad: torch.Tensor | None) -> None:
-        """Fold ``p``'s local gradient into the unit's local momentum."""
-        hyper = self.hypers[p]
-        fold_gradient_(self.view(p), grad, p, beta1=hyper["betas"][0],
-                       weight_decay=hyper["weight_decay"],
-                       decoupled=hyper["decoupled_weight_decay"], out=self.view(p, self.local))
-
     def clip_(self, p: torch.Tensor, averaged: torch.Tensor, coef: float) -> None:
         """Clip the gradient inside ``p``'s averaged fold (``averaged``, shaped like ``p``) by
         ``coef``, before it replaces the momentum; masked coordinates stay at zero."""
@@ -95,23 +89,25 @@ class MomentumUnit:
         if self.masked is not None and hyper["weight_decay"] != 0:
             averaged.masked_fill_(self.view(p, self.masked), 0.0)
 
-    def reduce_(self, comm, grads: dict | None = None) -> bool:
-        """Average the local momentum in place, now; False when some rank's was not finite.
-        With ``grads`` (every parameter's local gradient, or None), fold them first, as
-        :meth:`fold_` does: the communicator gets the fold described (``update.Fold``), which
-        the CPU kernel computes inside its worker pass instead of writing and re-reading it."""
-        if grads is None:
-            return comm.reduce_(self.local, self.plan, self.errors)
+    def fold(self, grads: dict) -> Fold:
+        """The fold of ``grads`` (every parameter's local gradient, or None: zero) into the
+        unit's local momentum, described (``update.Fold``); the communicator computes it, the
+        CPU kernel inside its worker pass."""
         parts = []
         for p in self.params:
             hyper = self.hypers[p]
             coupled = 0.0 if hyper["decoupled_weight_decay"] else hyper["weight_decay"]
             parts.append((self.offsets[p], p, grads[p], hyper["betas"][0], coupled))
-        return comm.reduce_(Fold(self.local, self.momentum, parts), self.plan, self.errors)
+        return Fold(self.local, self.momentum, parts)
 
-    def submit(self, comm) -> torch.futures.Future:
+    def reduce_(self, comm, grads: dict) -> bool:
+        """Fold ``grads`` and average the fold into the local momentum, now; False when some
+        rank's was not finite."""
+        return comm.reduce_(self.fold(grads), self.plan, self.errors)
+
+    def submit(self, comm, grads: dict) -> torch.futures.Future:
         """:meth:`reduce_` on the communicator's background thread."""
-        return comm.submit(self.local, self.plan, self.errors)
+        return comm.submit(self.fold(grads), self.plan, self.errors)
 
     def state_dict(self) -> dict:
         """This rank's error buffers (they differ between ranks)."""

@@ -79,6 +79,7 @@ class Fold:
     def __init__(self, out: torch.Tensor, exp_avg: torch.Tensor, parts: list[tuple]):
         self.out, self.exp_avg, self.parts = out, exp_avg, parts
 
+    @torch.no_grad()  # also on the DDP hook's background thread, where grad mode is on
     def materialize(self) -> torch.Tensor:
         """Fold into ``out``, now; returns it."""
         for offset, param, grad, beta1, weight_decay in self.parts:
