@@ -48,7 +48,7 @@ class MomentumUnit:
     """
 
     __slots__ = ("params", "offsets", "hypers", "momentum", "local", "denom", "plan", "errors",
-                 "masked")
+                 "masked", "_views")
 
     def __init__(self, params, momenta, denoms, keeps, hypers, comm):
         self.params = list(params)
@@ -73,11 +73,19 @@ class MomentumUnit:
         self.local = torch.empty_like(self.momentum)
         self.plan = comm.plan(numel, keep, device)
         self.errors = self.plan.new_errors()
+        # The views of the unit's own buffers, made once: step() takes three per parameter
+        # per step (about 100 parameters in a 6.5M-parameter GPT: some 0.5 ms of slicing).
+        self._views = {id(b): {p: self._slice(p, b) for p in self.params}
+                       for b in (self.momentum, self.local, self.denom)}
 
     def view(self, p: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """``p``'s slice of the momentum (or of ``buffer``), shaped like ``p``."""
-        start = self.offsets[p]
         buffer = self.momentum if buffer is None else buffer
+        views = self._views.get(id(buffer))
+        return views[p] if views is not None else self._slice(p, buffer)
+
+    def _slice(self, p: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+        start = self.offsets[p]
         return buffer[start : start + p.numel()].view_as(p)
 
     def clip_(self, p: torch.Tensor, averaged: torch.Tensor, coef: float) -> None:

@@ -184,8 +184,10 @@ def frozen_update_(
 
 
 def _fits_cpu_kernel(*tensors: torch.Tensor, dtypes=(torch.float32,)) -> bool:
-    return all(t.device.type == "cpu" and t.dtype in dtypes and t.is_contiguous()
-               for t in tensors)
+    for t in tensors:  # a loop, not all(...): called for every parameter at every step
+        if not (t.is_cpu and t.dtype in dtypes and t.is_contiguous()):
+            return False
+    return True
 
 
 def _cpu_kernel():
