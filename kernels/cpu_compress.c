@@ -4,7 +4,9 @@
  * the results are equal bit for bit: c*c (or |c|) rounded to fp32, the block sum by halving the
  * zero-padded power-of-two tile, fp32 division by the count, the RMS root correctly rounded
  * (sqrt in fp64), bit i of byte k = value 8k+i >= 0. Built without fused multiply-add
- * (-ffp-contract=off) and without -ffast-math, which would reorder the sums.
+ * (-ffp-contract=off) and without -ffast-math, which would reorder the sums; the one place
+ * that fuses, the fold of a gradient into the momentum, calls fmaf explicitly, as torch's
+ * lerp rounds (fold_part below).
  *
  * One block at a time: its values and terms stay in a per-thread scratch of `tile` floats
  * (at most 128 KiB), so each value is read and written once. Blocks are split across OpenMP
