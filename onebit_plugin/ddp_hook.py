@@ -7,9 +7,8 @@ optimizer's stage, the way torch's ``PowerSGDState.start_powerSGD_iter`` switche
   (``buffer / W``, then a sum allreduce);
 * compression stage: as soon as every *local* gradient of one of the optimizer's momentum units
   is in, the unit's fold of them is computed and averaged on the process group's background
-  thread while backward goes on. The
-  averaged momentum comes back as the bucket's "gradient" and ``OneBitAdam.step()`` takes it
-  from ``p.grad``. Gradient clipping must therefore go through
+  thread while backward goes on. The averaged momentum comes back as the bucket's "gradient"
+  and ``OneBitAdam.step()`` takes it from ``p.grad``. Gradient clipping must therefore go through
   ``OneBitAdam.clip_grad_norm_``, which clips the gradient inside the momentum using the
   norms and sketches of the local gradients the hook noted; torch's ``clip_grad_norm_`` on
   ``p.grad`` would clip the momentum itself (``step()`` says so once).

@@ -5,9 +5,9 @@ flat fp32 buffer (the optimizer's ``state['exp_avg']`` are views of it), with a 
 the local momentum, the mask of coordinates that take part, the communicator's plan and the
 error buffers. Both paths run the same units: ``OneBitAdam.step()`` folds and reduces them one
 after another when nothing else did, the DDP comm hook folds and reduces a unit in the background
-as soon as all its gradients are in. The units do not follow
-DDP's buckets, which DDP rebuilds after the first iteration of every run: a resumed run
-compresses in the same layout as the uninterrupted one (docs/design.md, "Momentum units").
+as soon as all its gradients are in. The units do not follow DDP's buckets, which DDP rebuilds
+after the first iteration of every run: a resumed run compresses in the same layout as the
+uninterrupted one (docs/design.md, "Momentum units").
 """
 
 from __future__ import annotations
