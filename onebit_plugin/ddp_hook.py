@@ -100,8 +100,8 @@ class OneBitHookState:
         self.pending: dict[MomentumUnit, torch.futures.Future] = {}
         self.grads: dict[MomentumUnit, dict] = {}
         self.bucket_views = bucket_views
-        # Units left to step() in this iteration, and those to leave unfolded in the next (they
-        # completed with the last bucket in this one).
+        # Units left to step() in this iteration, and those to leave to step() in the next
+        # (they completed with the last bucket in this one).
         self.deferred: set[MomentumUnit] = set()
         self.to_defer: set[MomentumUnit] = set()
         self.record_timeline = record_timeline
