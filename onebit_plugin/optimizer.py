@@ -35,7 +35,7 @@ from onebit_plugin.compression import SCALE_RULES, ChunkLayout
 from onebit_plugin.freeze import AutoFreeze
 from onebit_plugin.momentum import MomentumUnit, partition
 from onebit_plugin.norm_sketch import NormSketch, sketch_width, squared_norm
-from onebit_plugin.update import adam_update_, frozen_denominator, frozen_update_
+from onebit_plugin.update import adam_update_, corrected_root, frozen_update_
 
 __all__ = ["OneBitAdam"]
 
@@ -699,8 +699,8 @@ class OneBitAdam(Optimizer):
             if not state:
                 roots.append(torch.zeros(p.numel(), dtype=torch.float32, device=p.device))
                 continue
-            correction = 1 - hyper["beta2"] ** float(state["step"])
-            roots.append((state["exp_avg_sq"].reshape(-1) / correction).sqrt())
+            roots.append(corrected_root(state["exp_avg_sq"].reshape(-1), float(state["step"]),
+                                        beta2=hyper["beta2"]))
         return roots
 
     def _freeze(self) -> None:
@@ -713,25 +713,32 @@ class OneBitAdam(Optimizer):
             state["frozen_step"] = max(float(state["step"]), 1.0)
         self.switch_step = self.global_step
 
-    def _corrected_root_variance(self, p: torch.Tensor, beta2: float) -> torch.Tensor:
-        state = self.state[p]
-        correction = 1 - beta2 ** float(state["frozen_step"])
-        return (state["exp_avg_sq"].reshape(-1) / correction).sqrt()
+    def _frozen_roots(self, params: list[torch.Tensor], beta2: dict) -> torch.Tensor:
+        """The bias-corrected sqrt(v) of ``params``, frozen, in one flat fp32 buffer (the one
+        that becomes their unit's denominator once eps is added)."""
+        root = torch.empty(sum(p.numel() for p in params), dtype=torch.float32,
+                           device=params[0].device)
+        for p, piece in zip(params, root.split([p.numel() for p in params]), strict=True):
+            state = self.state[p]
+            corrected_root(state["exp_avg_sq"].reshape(-1), state["frozen_step"],
+                           beta2=beta2[p], out=piece)
+        return root
 
-    def _negligible_below(self, beta2: dict) -> float:
-        """NEGLIGIBLE_VARIANCE of the rms of the bias-corrected sqrt(v) over all trainable
-        coordinates: the same number on every rank (v comes from averaged gradients)."""
-        return negligible_root([self._corrected_root_variance(p, beta2[p])
-                                for p in self._trainable()])
-
-    def _keep(self, p: torch.Tensor, beta2: float, negligible: float) -> torch.Tensor:
-        """Flat bool mask of ``p``'s coordinates that take part in the compression stage."""
-        keep = torch.ones(p.numel(), dtype=torch.bool, device=p.device)
-        if self.mask_zero_variance:
-            root = self._corrected_root_variance(p, beta2)
-            keep &= (root != 0) & (root >= negligible)
-        if p in self._masks:
-            keep &= self._masks[p].reshape(-1)
+    def _keep(self, params: list[torch.Tensor], root: torch.Tensor,
+              negligible: float) -> torch.Tensor:
+        """Flat bool mask of the coordinates of ``params`` (``root``: their frozen sqrt(v))
+        that take part in the compression stage."""
+        if not self.mask_zero_variance:
+            keep = torch.ones(root.numel(), dtype=torch.bool, device=root.device)
+        elif negligible != 0:  # a NaN root fails the comparison (masked); a NaN bound masks all
+            keep = root >= negligible
+        else:  # every sqrt(v) is 0: only the zeros (and NaNs) are masked
+            keep = root > 0
+        offset = 0
+        for p in params:
+            if p in self._masks:
+                keep[offset : offset + p.numel()] &= self._masks[p].reshape(-1)
+            offset += p.numel()
         return keep
 
     def _build_units(self) -> None:
@@ -743,16 +750,21 @@ class OneBitAdam(Optimizer):
             self._unit_cap_bytes = self._saved.pop("unit_cap_bytes")
         self._units = []
         beta2 = {p: g["betas"][1] for p, g in hyper.items()}
-        negligible = self._negligible_below(beta2) if self.mask_zero_variance else 0.0
-        for params in partition(self._trainable(), self._unit_cap_bytes):
-            unit = MomentumUnit(params, [self.state[p]["exp_avg"] for p in params],
-                                [frozen_denominator(self.state[p]["exp_avg_sq"],
-                                                    self.state[p]["frozen_step"],
-                                                    beta2=beta2[p], eps=hyper[p]["eps"])
-                                 for p in params],
-                                [self._keep(p, beta2[p], negligible) for p in params],
-                                [hyper[p] for p in params],
-                                self.communicator)
+        parts = partition(self._trainable(), self._unit_cap_bytes)
+        # One root per coordinate, computed into the buffer that becomes the denominator, read
+        # by the masks first: with a root per use (three) and the temporaries each made, this
+        # step took 1.3 s on each of 4 emulated hosts sharing 2 cores at 6.5M parameters,
+        # against some 0.2 s for a compression-stage step (2026-12-01, benchmarks/cluster.py).
+        roots = [self._frozen_roots(params, beta2) for params in parts]
+        negligible = negligible_root(roots) if self.mask_zero_variance else 0.0
+        for params, root in zip(parts, roots, strict=True):
+            keep = self._keep(params, root, negligible)
+            offset = 0
+            for p in params:
+                root[offset : offset + p.numel()].add_(hyper[p]["eps"])
+                offset += p.numel()
+            unit = MomentumUnit(params, [self.state[p]["exp_avg"] for p in params], root, keep,
+                                [hyper[p] for p in params], self.communicator)
             for p in params:
                 self.state[p]["exp_avg"] = unit.view(p)
             self._units.append(unit)
@@ -950,7 +962,10 @@ WATCHDOG_MARGIN = timedelta(seconds=30)
 
 def negligible_root(roots: list[torch.Tensor]) -> float:
     """NEGLIGIBLE_VARIANCE of the rms of ``roots`` (every trainable coordinate's sqrt(v_hat))."""
-    total = sum(float(r.square().sum(dtype=torch.float64)) for r in roots)
+    # In pieces of 64K values: a float64 sum of one fp32 tensor of 6.5M values measured
+    # 48-51 ms on one CPU thread, of its 64K-value pieces 5 ms (torch 2.13; the same to 1e-15).
+    total = sum(float(piece.square().sum(dtype=torch.float64))
+                for r in roots for piece in r.reshape(-1).split(1 << 16))
     count = sum(r.numel() for r in roots)
     return NEGLIGIBLE_VARIANCE * math.sqrt(total / max(count, 1))
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Fold", "adam_update_", "clip_folded_", "fold_gradient_", "frozen_denominator",
-           "frozen_update_"]
+__all__ = ["Fold", "adam_update_", "clip_folded_", "corrected_root", "fold_gradient_",
+           "frozen_denominator", "frozen_update_"]
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
@@ -125,11 +125,18 @@ def clip_folded_(
         averaged.add_(_fp32(param), alpha=(1 - coef) * (1 - beta1) * weight_decay)
 
 
+def corrected_root(exp_avg_sq: torch.Tensor, step: float, *, beta2: float,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """``sqrt(v_hat)``, the bias-corrected root of the variance at ``step``, rounded as torch's
+    Adam rounds it (``sqrt(v) / sqrt(1 - beta2**step)``), into ``out`` when given."""
+    return torch.sqrt(exp_avg_sq, out=out).div_((1 - beta2**step) ** 0.5)
+
+
 def frozen_denominator(exp_avg_sq: torch.Tensor, frozen_step: float, *, beta2: float,
-                       eps: float) -> torch.Tensor:
+                       eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """``sqrt(v_hat) + eps`` of the variance frozen at ``frozen_step`` (its bias correction
     frozen with it): the same for the whole compression stage, so computed once."""
-    return (exp_avg_sq.sqrt() / (1 - beta2**frozen_step) ** 0.5).add_(eps)
+    return corrected_root(exp_avg_sq, frozen_step, beta2=beta2, out=out).add_(eps)
 
 
 def frozen_update_(

@@ -431,3 +431,52 @@ def test_attention_key_bias_moves_no_more_than_under_adam():
     assert key <= adam_key
     assert unmasked_key > 100 * adam_key
     assert query > 0.1 * adam_query
+
+
+def test_units_hold_adams_denominators_and_the_masks_the_variance_sets():
+    """The freeze builds each unit's denominator and mask from one root per coordinate; checked
+    against torch's Adam formula per parameter and masks chosen independently: a coordinate
+    never updated, one below 1e-6 of the rms, and a user mask."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    first, last = model[0], model[2]
+    user = torch.ones_like(last.weight, dtype=torch.bool)
+    user[1, 2] = False
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2, eps=1e-7,
+                     masks={last.weight: user})
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).square().sum().backward()
+        opt.step()
+    assert opt.stage == "compression"
+    v = opt.state[first.weight]["exp_avg_sq"]
+    v[0, 0] = 0.0  # never updated
+    v[0, 1] = v.mean() * 1e-14  # its root: 1e-7 of a typical one, below the 1e-6 bound
+    roots = {p: opt.state[p]["exp_avg_sq"].sqrt() / (1 - 0.999**2) ** 0.5
+             for p in model.parameters()}
+    every = torch.cat([r.reshape(-1) for r in roots.values()]).double()
+    bound = 1e-6 * float(every.square().mean().sqrt())
+    expected_keep = {p: r >= bound for p, r in roots.items()}
+    expected_keep[last.weight] &= user
+    assert expected_keep[first.weight].sum() == first.weight.numel() - 2
+    for unit in opt.units:
+        for p in unit.params:
+            denom = (opt.state[p]["exp_avg_sq"].sqrt() / (1 - 0.999**2) ** 0.5).add_(1e-7)
+            assert torch.equal(unit.view(p, unit.denom), denom)
+            masked = unit.view(p, unit.masked)
+            assert torch.equal(masked, ~expected_keep[p])
+            assert torch.equal(opt.state[p]["exp_avg"][masked], torch.zeros(int(masked.sum())))
+
+
+def test_a_nan_variance_at_the_freeze_masks_every_coordinate():
+    """A NaN in v makes the rms NaN, and every comparison with it false: nothing is compressed
+    (rather than every coordinate compared with a NaN bound and some kept at random)."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3)
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=1)
+    opt.zero_grad()
+    model(torch.randn(4, 8)).square().sum().backward()
+    opt.step()
+    opt.state[model.weight]["exp_avg_sq"][0, 0] = float("nan")
+    (unit,) = opt.units
+    assert bool(unit.masked.all())
