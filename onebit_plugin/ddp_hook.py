@@ -15,15 +15,16 @@ optimizer's stage, the way torch's ``PowerSGDState.start_powerSGD_iter`` switche
 
   A unit completed only by the last bucket has no backward left to overlap with: averaged in
   the background, it would still be waited for before backward returns, and cost a hand-off
-  and one more pass (the average copied into the bucket, then compared with ``p.grad`` in
-  ``step()``). When the DDP model keeps its gradients as views of its buckets
-  (``gradient_as_bucket_view=True``, which the strategies set), such units -- those that
-  completed with the last bucket in the previous iteration, or do in this one -- are left to
-  ``step()``: their local gradients stay in ``p.grad``, ``step()`` folds and averages them
-  (the ``overlap=False`` path, the same numbers), and the views' version counts tell it, at no
-  cost, whether anything changed them in between. For a model below one bucket, that is all
-  of it. Without bucket views, DDP copies every gradient into its buckets and back and a
-  change could only be seen by comparing values: every unit is then averaged in backward.
+  and one more pass (the average copied into the bucket). When the DDP model keeps its
+  gradients as views of its buckets (``gradient_as_bucket_view=True``, which the strategies
+  set), such units -- those that completed with the last bucket in the previous iteration, or
+  do in this one -- are left to ``step()``: their local gradients stay in ``p.grad``,
+  ``step()`` folds and averages them (the ``overlap=False`` path, the same numbers). Either
+  way the views' version counts tell ``step()``, at no cost, whether anything changed
+  ``p.grad`` in between. For a model below one bucket, that is all of it. Without bucket
+  views, DDP copies every gradient into its buckets and back and a change could only be seen
+  by comparing values: every unit is then averaged in backward, and ``step()`` compares each
+  averaged momentum with ``p.grad``.
 
 With ``overlap=False`` the compression-stage hook passes the local gradients through and
 ``step()`` folds and averages the same units itself: the same numbers, without the overlap.
@@ -167,7 +168,7 @@ def onebit_hook(
     if not state.overlap:
         if state.bucket_views:  # p.grad itself: step() can tell whether it changed
             for p, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
-                opt.defer_to_step(p, grad)
+                opt.hand_over(p, grad)
         done: torch.futures.Future = torch.futures.Future()
         done.set_result(buffer)  # local gradients: OneBitAdam.step() folds and averages them
         return done
@@ -199,9 +200,9 @@ def onebit_hook(
                 if unit not in deferred:  # DDP hands the bucket's views to step()
                     grad.copy_(unit.view(p, unit.local))
         # After the copies above, which count as writes to the bucket's every view.
-        for p, grad in pairs:
-            if opt.unit_of(p) in deferred:
-                opt.defer_to_step(p, grad)
+        if state.bucket_views:
+            for p, grad in pairs:
+                opt.hand_over(p, grad)
         if state.record_timeline:
             state.timeline.append((bucket.index(), started, time.perf_counter()))
         return buffer

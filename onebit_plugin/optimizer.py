@@ -210,7 +210,8 @@ class OneBitAdam(Optimizer):
         self._saved: dict = {}  # units' errors and counters from a checkpoint, until built
         self._averaged: dict[MomentumUnit, bool] = {}  # by the DDP hook, this iteration
         # param: (data_ptr, version) of the bucket view in which the DDP hook left p's local
-        # gradient for step() to fold, this iteration (see defer_to_step)
+        # gradient for step() to fold, or p's averaged momentum, this iteration (see
+        # hand_over)
         self._handed: dict[torch.Tensor, tuple[int, int]] = {}
         self._warmup_sent = self._warmup_dense = 0
         self._clip_sent = 0  # the compression stage's clipping-norm allreduces
@@ -225,6 +226,7 @@ class OneBitAdam(Optimizer):
         self._grads_averaged = False  # by clip_grad_norm_ in warm-up, before step()
         self._said_grad_changed = False
         self._said_local_changed = False
+        self._said_mixed_changed = False
         # Set when the first step's gradients were already identical on every rank (below).
         self.averaged_elsewhere = False
 
@@ -323,14 +325,16 @@ class OneBitAdam(Optimizer):
         ``step()`` then takes its momentum from ``p.grad`` (clipping included)."""
         self._averaged[unit] = ok
 
-    def defer_to_step(self, p: torch.Tensor, grad: torch.Tensor) -> None:
-        """The DDP hook left ``p``'s local gradient in ``grad``, a view of DDP's bucket that
-        is ``p.grad`` (``gradient_as_bucket_view=True``), for ``step()`` to fold and average
-        (a unit the last bucket completed, or every unit with ``overlap=False``).
-        Its version count is kept: ``step()`` folds whatever ``p.grad`` then holds, and says
-        once when something changed it in between (torch's ``clip_grad_norm_`` would clip each
-        rank's local gradient by its own norm). Call it after the hook's last write to the
-        bucket."""
+    def hand_over(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """The DDP hook is done writing ``grad``, ``p``'s view of DDP's bucket, which is
+        ``p.grad`` (``gradient_as_bucket_view=True``). It holds either ``p``'s local gradient,
+        for ``step()`` to fold and average (a unit the last bucket completed, or every unit with
+        ``overlap=False``), or ``p``'s averaged momentum (a unit averaged in backward).
+        Its version count is kept, so that ``step()`` sees at no cost whether something changed
+        it in between: a changed local gradient is folded as it is, a changed momentum is
+        compared and used as it is, and either is said once (torch's ``clip_grad_norm_`` would
+        clip each rank's local gradient by its own norm, or the momentum). Call it after the
+        hook's last write to the bucket."""
         self._handed[p] = (grad.data_ptr(), grad._version)
 
     def note_local_gradient(self, p: torch.Tensor, grad: torch.Tensor) -> None:
@@ -597,6 +601,18 @@ class OneBitAdam(Optimizer):
             "Call optimizer.clip_grad_norm_(max_norm) instead (the Lightning and Fabric "
             "strategies and onebit-run's Accelerator do); the changed momentum is used as given")
 
+    def _say_mixed_changed(self) -> None:
+        self._said_mixed_changed = True
+        log.warning(
+            "onebit: p.grad was changed between backward and step() (by "
+            "torch.nn.utils.clip_grad_norm_ or clip_grad_value_?) where it held the averaged "
+            "momentum, while other parameters' p.grad held each rank's own local gradient "
+            "(momentum units left to step() with gradient_as_bucket_view=True). A clipping "
+            "computed over both differs between ranks and would make them drift apart: the "
+            "averaged momentum is kept as the DDP hook computed it, the change to it is ignored "
+            "(the local gradients' change is used). Call optimizer.clip_grad_norm_(max_norm) "
+            "instead (the Lightning and Fabric strategies and onebit-run's Accelerator do).")
+
     def _say_local_changed(self) -> None:
         self._said_local_changed = True
         log.warning(
@@ -794,6 +810,8 @@ class OneBitAdam(Optimizer):
             return self._skip()
         self._skip_streak = 0
         coef = self._clip_coef if self._clip_coef is not None and self._clip_coef < 1 else None
+        # Some p.grad held local gradients (units left to step()) beside averaged momenta.
+        mixed = bool(averaged) and len(averaged) < len(self.units)
         for unit in self.units:
             # The new momentum is built in the fold buffer; the update's pass copies it over
             # the old one (the fold buffer then serves the torch passes as scratch).
@@ -801,13 +819,22 @@ class OneBitAdam(Optimizer):
                 for p in unit.params:
                     new = unit.view(p, unit.local)
                     # The hook handed the average to DDP as p.grad (rounded to p.grad's dtype).
-                    # If something changed it since (torch's clip_grad_norm_, say), identically
-                    # on every rank, p.grad is used, and said.
+                    # If something changed it since (torch's clip_grad_norm_, say), p.grad is
+                    # used, and said: the same change on every rank, as long as every p.grad
+                    # held an average. Beside local gradients it is not, and ignored.
+                    # Compared only when p.grad is not the bucket view the hook wrote last,
+                    # or was written since (a pass over both: 8 ms per 6.5M values on one
+                    # CPU thread, as much as the rest of the step's compression work).
                     if unit in averaged and p.grad is not None and \
+                            (p not in handed or _changed(p.grad, handed[p])) and \
                             not torch.equal(p.grad, new.to(p.grad.dtype)):
-                        if not self._said_grad_changed:
-                            self._say_grad_changed()
-                        new.copy_(p.grad)
+                        if mixed:
+                            if not self._said_mixed_changed:
+                                self._say_mixed_changed()
+                        else:
+                            if not self._said_grad_changed:
+                                self._say_grad_changed()
+                            new.copy_(p.grad)
                     if coef is not None:
                         unit.clip_(p, new, coef)
         steps = [self.state[p]["step"] for p in self._trainable()]

@@ -305,3 +305,65 @@ def test_accelerate_clip_grad_norm_reaches_onebit_adam(spy, monkeypatch):
     assert spy == [(0.5, 2, True)]
     with pytest.raises(ValueError, match="clipping by value"):
         accelerator.clip_grad_value_(model.parameters(), 0.5)
+
+
+def _compares_worker(rank, world, clip):
+    """Several DDP buckets with bucket views: most units averaged in backward, the last
+    bucket's left to step(). Counts the optimizer's value comparisons of p.grad; with ``clip``,
+    torch clips every p.grad before the last step."""
+    import onebit_plugin.optimizer as core
+
+    model = DDP(_mlp(), gradient_as_bucket_view=True, bucket_cap_mb=0.002)  # 500 values
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    register_onebit_hook(model, opt)
+    records, averaged, compares = [], [], []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("onebit_plugin").addHandler(handler)
+    mark = opt.mark_averaged
+    opt.mark_averaged = lambda unit, ok: (averaged.append(unit), mark(unit, ok))
+    equal = core.torch.equal
+
+    def counted(a, b):
+        compares.append(1)
+        return equal(a, b)
+
+    core.torch.equal = counted
+    try:
+        for step in range(6):
+            averaged.clear()
+            opt.zero_grad()
+            _backward(model, rank, step)
+            if clip and step == 5:
+                nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            opt.step()
+    finally:
+        core.torch.equal = equal
+    said = {key: [r.getMessage() for r in records if text in r.getMessage()] for key, text in
+            (("averaged", "p.grad holds the averaged momentum"),
+             ("mixed", "the change to it is ignored"), ("local", "leaves each rank's own"))}
+    in_backward = [i for i, p in enumerate(model.parameters())
+                   if any(p is q for unit in averaged for q in unit.params)]
+    momenta = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    return in_backward, len(compares), said, momenta
+
+
+def test_an_unchanged_averaged_momentum_is_not_compared_a_changed_one_is_kept_beside_local():
+    """With bucket views the version counts say whether p.grad changed after the hook wrote
+    the averaged momentum into it: untouched, step() reads no value of p.grad (the comparison
+    was a pass over every averaged value). Clipped by torch beside the local gradients of the
+    units left to step(), the clipping coefficient differs between ranks: the averaged
+    momenta are kept as averaged (said once), the local gradients' clipping is used (said
+    once), and the ranks stay identical."""
+    plain = run_ranks(_compares_worker, 2, False)
+    clipped = run_ranks(_compares_worker, 2, True)
+    for (in_backward, compares, said, momenta), (c_in, c_compares, c_said, c_momenta) in \
+            zip(plain, clipped, strict=True):
+        assert len(in_backward) >= 3 and len(in_backward) < len(momenta), in_backward
+        assert compares == 0 and said == {"averaged": [], "mixed": [], "local": []}
+        assert c_in == in_backward and c_compares > 0
+        assert len(c_said["mixed"]) == 1 and len(c_said["local"]) == 1, c_said
+        assert c_said["averaged"] == []
+        for i, (m, c) in enumerate(zip(momenta, c_momenta, strict=True)):
+            assert torch.equal(m, c) == (i in in_backward), i  # kept / clipped before the fold
+    assert_ranks_identical([r[3] for r in clipped], "momenta clipped by torch")
