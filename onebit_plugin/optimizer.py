@@ -584,6 +584,8 @@ class OneBitAdam(Optimizer):
         if not all_finite([p.grad for p in self._trainable() if p.grad is not None]):
             return self._skip()
         self._skip_streak = 0
+        self._init_states([p for p in self._trainable()
+                           if p.grad is not None and not self.state[p]])
         for p, hyper in self._hyper():
             if p.grad is not None:
                 state = self.state[p] or self._init_state(p)
@@ -649,12 +651,28 @@ class OneBitAdam(Optimizer):
             state["master"] = p.detach().float()
         return state["master"]
 
-    def _init_state(self, p: torch.Tensor) -> dict:
+    def _init_state(self, p: torch.Tensor, exp_avg: torch.Tensor | None = None) -> dict:
         state = self.state[p]
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+        state["exp_avg"] = (torch.zeros_like(p, dtype=torch.float32) if exp_avg is None
+                            else exp_avg)
         state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
         return state
+
+    def _init_states(self, params: list[torch.Tensor]) -> None:
+        """Adam's state for ``params`` (none yet), their momenta back to back in one buffer in
+        the order the momentum units will lay them out: the freeze then takes that memory as
+        the units' momentum instead of copying it into new memory (``MomentumUnit``)."""
+        if len(params) < 2 or len({p.device for p in params}) > 1 or \
+                any(p.layout != torch.strided for p in params):
+            return  # each its own, in _init_state
+        order = {p: i for i, p in enumerate(
+            q for unit in partition(self._trainable(), self._unit_cap_bytes) for q in unit)}
+        params = sorted(params, key=lambda p: order.get(p, len(order)))
+        flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32,
+                           device=params[0].device)
+        for p, m in zip(params, flat.split([p.numel() for p in params]), strict=True):
+            self._init_state(p, m.view(p.shape))
 
     def _average_gradients(self) -> None:
         """One fp32 allreduce of every trainable gradient (zeros where a rank has none) plus a
@@ -773,14 +791,21 @@ class OneBitAdam(Optimizer):
         # against some 0.2 s for a compression-stage step (2026-12-01, benchmarks/cluster.py).
         roots = [self._frozen_roots(params, beta2) for params in parts]
         negligible = negligible_root(roots) if self.mask_zero_variance else 0.0
+        # Warm-up's gradient buffer (without DDP) is resident and no longer used: the units'
+        # fold buffers are cut from it rather than from new memory (MomentumUnit's note).
+        spare, self._grad_flat, start = self._grad_flat, None, 0
         for params, root in zip(parts, roots, strict=True):
+            local = None
+            if spare is not None and spare.device == root.device and \
+                    start + root.numel() <= spare.numel():
+                local, start = spare[start : start + root.numel()], start + root.numel()
             keep = self._keep(params, root, negligible)
             offset = 0
             for p in params:
                 root[offset : offset + p.numel()].add_(hyper[p]["eps"])
                 offset += p.numel()
             unit = MomentumUnit(params, [self.state[p]["exp_avg"] for p in params], root, keep,
-                                [hyper[p] for p in params], self.communicator)
+                                [hyper[p] for p in params], self.communicator, local)
             for p in params:
                 self.state[p]["exp_avg"] = unit.view(p)
             self._units.append(unit)

@@ -217,3 +217,31 @@ def test_loading_with_another_freeze_step_says_what_happens(caplog):
             other.load_state_dict(opt.state_dict())
         assert f"checkpoint has freeze_step=2, this optimizer {freeze}: {said}" in caplog.text
         assert other.stage == "compression"
+
+
+def _memory_worker(rank, world):
+    net = Uneven()
+    opt = OneBitAdam(net.parameters(), lr=LR, freeze_step=FREEZE, bucket_cap_mb=CAP_MB)
+    tokens, y = _batch(rank, 0)
+    nn.functional.cross_entropy(net(tokens), y).backward()
+    net.proj.bias.grad = None  # on no rank: its state starts at the next step, on its own
+    opt.step()
+    first = {p for p in net.parameters() if opt.state[p]}
+    _train(net, opt, rank, steps=FREEZE - 1)
+    assert opt.stage == "compression" and opt._units is None
+    where = {p: opt.state[p]["exp_avg"].data_ptr() for p in net.parameters()}
+    spare = opt._grad_flat
+    start, end = spare.data_ptr(), spare.data_ptr() + 4 * spare.numel()
+    _train(net, opt, rank, steps=1)
+    return [(set(unit.params) <= first, unit.momentum.data_ptr() == where[unit.params[0]],
+             start <= unit.local.data_ptr() < end) for unit in opt.units]
+
+
+def test_the_freeze_takes_warmups_momenta_and_gradient_buffer_as_they_lie():
+    """The momenta of the parameters that start together lie back to back in the units' order
+    from the first step, and become the units' momentum where they lie; without DDP the fold
+    buffers are cut from warm-up's gradient buffer (the other tests check the numbers)."""
+    for units in run_ranks(_memory_worker, 2):
+        assert len(units) >= 3 and any(not together for together, _, _ in units)
+        for together, adopted, spare in units:
+            assert adopted == together and spare
