@@ -85,8 +85,8 @@ def merge_rounds(runs: list[dict]) -> dict:
     """One record from the rounds of one configuration: the first round's record (its losses
     and bytes; every round trains the same numbers), with each stage's step time, the phases
     the calibration C and M and the compression work and waiting as medians over the rounds,
-    and every round's step times and C kept in ``rounds_step_s`` and
-    ``rounds_compute_only_step_s``."""
+    and every round's step times, C and M kept in ``rounds_step_s``,
+    ``rounds_compute_only_step_s`` and ``rounds_fp32_allreduce_s``."""
     def median(values):
         values = sorted(values)
         return values[len(values) // 2] if len(values) % 2 else sum(
@@ -95,8 +95,10 @@ def merge_rounds(runs: list[dict]) -> dict:
     merged = dict(runs[0])
     merged["rounds_step_s"] = [r["mean_step_s"] for r in runs]
     merged["rounds_compute_only_step_s"] = [r["compute_only_step_s"] for r in runs]
-    merged["mean_step_s"] = {stage: median([r["mean_step_s"][stage] for r in runs])
-                             for stage in runs[0]["mean_step_s"]}
+    merged["rounds_fp32_allreduce_s"] = [r["fp32_allreduce_s"] for r in runs]
+    for key in ("mean_step_s", "median_step_s", "first_step_s"):
+        if key in runs[0]:
+            merged[key] = {stage: median([r[key][stage] for r in runs]) for stage in runs[0][key]}
     merged["mean_phase_s"] = {
         stage: {name: median([r["mean_phase_s"][stage][name] for r in runs]) for name in phases}
         for stage, phases in runs[0].get("mean_phase_s", {}).items()}
@@ -118,24 +120,45 @@ def time_to_target(curve, target: float) -> float | None:
     return None
 
 
+def calibration(records: dict) -> tuple[float, float, list[float], list[float]]:
+    """C and M as the medians over every run's calibration (each configuration's run, each
+    round, measures both the same way before it trains), with all the values: one run's alone
+    moved the bound by 0.3x (C 151-233 ms, M 325-465 ms in runs of 2026-11-30/12-01)."""
+    cs = sorted(v for r in records.values()
+                for v in r.get("rounds_compute_only_step_s", [r["compute_only_step_s"]]))
+    ms = sorted(v for r in records.values()
+                for v in r.get("rounds_fp32_allreduce_s", [r["fp32_allreduce_s"]]))
+
+    def median(values):
+        n = len(values)
+        return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+
+    return median(cs), median(ms), cs, ms
+
+
 def report(records: dict, args, network: str) -> str:
     base = records["adam"]
     target = base["final_val_loss"] * 1.01
-    c, m = base["compute_only_step_s"], base["fp32_allreduce_s"]
+    c, m, cs, ms = calibration(records)
+    bound = (c + m) / (c + m / 32)
     lines = [
         f"workload `{args.workload}`: {base['parameters']:,} parameters, {args.hosts} hosts, "
         f"{network}; {args.steps} steps, warm-up {args.freeze_step}; compute-only step "
-        f"C = {c * 1e3:.1f} ms, fp32 allreduce of all gradients M = {m * 1e3:.1f} ms; "
+        f"C = {c * 1e3:.1f} ms ({cs[0] * 1e3:.0f}-{cs[-1] * 1e3:.0f}), fp32 allreduce of all "
+        f"gradients M = {m * 1e3:.1f} ms ({ms[0] * 1e3:.0f}-{ms[-1] * 1e3:.0f}): medians "
+        f"(and ranges) over the {len(cs)} runs' calibrations; "
         f"1-bit bound (C+M)/(C+M/32) = {(c + m) / (c + m / 32):.2f}x; target validation "
         f"loss {target:.4f} (Adam's final + 1%)",
         "",
-        "| run | step ms warm-up | step ms compression | speed-up (Adam's mean step / "
-        "this compression step) | "
+        "| run | step ms warm-up | step ms compression | speed-up (Adam's compression-stage "
+        "step / this one) | of the bound | "
         "bytes/step warm-up | bytes/step compression | Adam's total bytes / run's | "
         "time to target s (- : not reached) | final val loss | vs Adam |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    base_step = sum(base["mean_step_s"].values()) / len(base["mean_step_s"])
+    # Adam's steps of the same window as the compression stage: its warm-up holds its first
+    # step (state made, DDP's buckets rebuilt: 570 against 950 ms in one run of 2026-12-01).
+    base_step = base["mean_step_s"]["compression"]
     for name, r in records.items():
         steps = r["mean_step_s"]
         warm = steps.get("warmup")
@@ -149,7 +172,9 @@ def report(records: dict, args, network: str) -> str:
 
         lines.append(
             f"| {name} | {fmt(warm and warm * 1e3, '.0f')} | {fmt(comp and comp * 1e3, '.0f')} "
-            f"| {fmt(speed, '.2f')}x | {fmt(bps.get('warmup'), ',.0f')} | "
+            f"| {fmt(speed, '.2f')}x | "
+            f"{'-' if name == 'adam' else fmt(speed and speed / bound * 100, '.0f') + '%'} | "
+            f"{fmt(bps.get('warmup'), ',.0f')} | "
             f"{fmt(bps.get('compression'), ',.0f')} | "
             f"{base['total_bytes'] / r['total_bytes']:.2f}x | {fmt(ttt, '.1f')} | "
             f"{r['final_val_loss']:.4f} | "
@@ -162,6 +187,13 @@ def report(records: dict, args, network: str) -> str:
             lines.append(f"- {name}: " + ", ".join(
                 " / ".join(f"{s[k] * 1e3:.0f}" for k in ("warmup", "compression") if k in s)
                 for s in r["rounds_step_s"]))
+    if all("median_step_s" in r for r in records.values()):
+        lines += ["", "Compression-stage step, rank 0, ms: mean (as above) / median / the first "
+                      "(the freeze builds the momentum units in it):", ""]
+        lines += [f"- {name}: " + " / ".join(
+                      f"{r[key]['compression'] * 1e3:.0f}"
+                      for key in ("mean_step_s", "median_step_s", "first_step_s"))
+                  for name, r in records.items() if "compression" in r["mean_step_s"]]
     lines += ["", "Where a compression-stage step goes (rank 0, ms): forward+backward (DDP's own "
               "allreduce included) / optimizer step / per compressed allreduce: compression "
               "work / waiting on its collectives (calls per step)", ""]
