@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["decompress", "frozen_update", "library", "server_compress", "worker_compress"]
+__all__ = ["decode_range", "decompress", "frozen_update", "frozen_update_packed", "library",
+           "server_compress", "worker_compress"]
 
 log = logging.getLogger("onebit_plugin")
 
@@ -101,6 +102,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     f64 = ctypes.c_double
     lib.onebit_frozen_update.argtypes = [p, p, p, p, i64, f64, f64, f64, i32, i32]
     lib.onebit_frozen_update.restype = None
+    lib.onebit_frozen_update_packed.argtypes = [p, p, p, p, i64, i64, p, p, i64, f64, f64, f64,
+                                                i32, i32]
+    lib.onebit_frozen_update_packed.restype = None
+    lib.onebit_decode_range.argtypes = [p, p, p, p, i64, i64, i64]
+    lib.onebit_decode_range.restype = None
     return lib
 
 
@@ -184,6 +190,25 @@ def decompress(packed, scales, mask, layout, out) -> None:
     library().onebit_decompress(_ptr(packed), _ptr(scales), _ptr(mask.keep), _ptr(out),
                                 layout.numel, layout.num_blocks, layout.block,
                                 _threads(layout.padded_numel))
+
+
+def decode_range(encoded, out) -> None:
+    """Decode ``encoded`` (``onebit_plugin.update.Encoded``) into ``out`` (fp32, contiguous,
+    its size)."""
+    library().onebit_decode_range(_ptr(encoded.packed), _ptr(encoded.scales),
+                                  _ptr(encoded.keep), _ptr(out), encoded.offset, out.numel(),
+                                  encoded.block)
+
+
+def frozen_update_packed(param, encoded, denom, *, decay: float, scale: float,
+                         bound: float | None, into) -> None:
+    """:func:`frozen_update` reading the averaged momentum ``encoded``
+    (``onebit_plugin.update.Encoded``, ``param``'s part of it) and decoding it on the way:
+    the same bits as decoding it first; the average is copied ``into`` a tensor."""
+    library().onebit_frozen_update_packed(
+        _ptr(param), _ptr(encoded.packed), _ptr(encoded.scales), _ptr(encoded.keep),
+        encoded.offset, encoded.block, _ptr(denom), _ptr(into), param.numel(), decay, scale,
+        0.0 if bound is None else bound, int(bound is not None), _threads(param.numel()))
 
 
 def frozen_update(param, exp_avg, denom, *, decay: float, scale: float, bound: float | None,

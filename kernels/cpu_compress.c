@@ -301,43 +301,61 @@ int onebit_server_compress(const uint8_t *recv_packed, const float *recv_scales,
     return failed ? -1 : 0;
 }
 
-/* Final decode into fp32 out[0..n): +-scale where kept, else 0. */
-void onebit_decompress(const uint8_t *packed, const float *scales, const uint8_t *keep,
-                       float *out, int64_t n, int64_t blocks, int64_t block, int threads) {
+/* Decode of values [g0, g0 + n) of the layout into out[0..n): +-scale of the value's block
+ * where kept, else +0.0. The final decode and the update's pass (cpu_update.c) share it. */
+void onebit_decode_range(const uint8_t *restrict packed, const float *restrict scales,
+                         const uint8_t *restrict keep, float *restrict out, int64_t g0,
+                         int64_t n, int64_t block) {
     init_signs();
-#pragma omp parallel for num_threads(pick_threads(threads, blocks)) schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
+    int64_t g = g0, end = g0 + n;
+    while (g < end) {
+        int64_t b = g / block;
         float s = scales[b];
-        int64_t start = b * block;
-        int64_t end = start + block < n ? start + block : n;
-        int64_t at = start;
+        int64_t stop = (b + 1) * block < end ? (b + 1) * block : end;
+        for (; g < stop && (g & 7); g++) { /* up to a byte boundary (blocks start on one) */
+            float d = (packed[g >> 3] >> (g & 7)) & 1u ? s : -s;
+            out[g - g0] = keep[g] ? d : 0.0f;
+        }
 #ifdef __AVX2__
         /* Bit i of the byte to lane i, +-s by a blend, masked lanes to +0.0 by an and. */
         const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
         const __m256 pos = _mm256_set1_ps(s), neg = _mm256_set1_ps(-s);
-        for (; at + 8 <= end; at += 8) {
-            __m256i bits = _mm256_and_si256(_mm256_set1_epi32(packed[at / 8]), lane_bit);
+        for (; g + 8 <= stop; g += 8) {
+            __m256i bits = _mm256_and_si256(_mm256_set1_epi32(packed[g >> 3]), lane_bit);
             __m256 set = _mm256_castsi256_ps(_mm256_cmpeq_epi32(bits, lane_bit));
             __m256 d = _mm256_blendv_ps(neg, pos, set);
             int64_t k8;
-            memcpy(&k8, keep + at, sizeof k8);
+            memcpy(&k8, keep + g, sizeof k8);
             __m256i kept = _mm256_cmpgt_epi32(
                 _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(k8)), _mm256_setzero_si256());
-            _mm256_storeu_ps(out + at, _mm256_and_ps(d, _mm256_castsi256_ps(kept)));
+            _mm256_storeu_ps(out + (g - g0), _mm256_and_ps(d, _mm256_castsi256_ps(kept)));
         }
 #endif
-        for (; at + 8 <= end; at += 8) {
-            const float *restrict sign = SIGNS[packed[at / 8]];
-            const uint8_t *restrict kb = keep + at;
-            float *restrict o = out + at;
+        for (; g + 8 <= stop; g += 8) {
+            const float *restrict sign = SIGNS[packed[g >> 3]];
+            const uint8_t *restrict kb = keep + g;
+            float *restrict o = out + (g - g0);
             for (int i = 0; i < 8; i++) {
                 float d = sign[i] * s;
                 o[i] = kb[i] ? d : 0.0f;
             }
         }
-        for (; at < end; at++) {
-            float d = (packed[at / 8] >> (at % 8)) & 1u ? s : -s;
-            out[at] = keep[at] ? d : 0.0f;
+        for (; g < stop; g++) {
+            float d = (packed[g >> 3] >> (g & 7)) & 1u ? s : -s;
+            out[g - g0] = keep[g] ? d : 0.0f;
         }
+    }
+}
+
+/* Final decode into fp32 out[0..n): +-scale where kept, else 0. */
+void onebit_decompress(const uint8_t *packed, const float *scales, const uint8_t *keep,
+                       float *out, int64_t n, int64_t blocks, int64_t block, int threads) {
+    init_signs(); /* before the threads: it writes the table */
+#pragma omp parallel for num_threads(pick_threads(threads, blocks)) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t start = b * block;
+        if (start < n)
+            onebit_decode_range(packed, scales, keep, out + start, start,
+                                start + block < n ? block : n - start, block);
     }
 }

@@ -32,6 +32,7 @@ from onebit_plugin.compression import (
     ChunkLayout,
     CompressionBuffers,
     CoordinateMask,
+    backend_for,
     decompress,
     server_compress,
     worker_compress,
@@ -148,6 +149,8 @@ class Plan:
         self.mask = CoordinateMask.build(layout, keep, self.device)
         self.chunk_mask = self.mask.chunk(layout, rank)
         self.wire = _WireBuffers(layout, self.device) if wire else None
+        # The last reduce_ left its average encoded in the wire buffers (decode=False).
+        self.encoded = False
 
     def new_errors(self) -> dict[str, torch.Tensor]:
         """Zero error buffers for this plan: ``worker`` (padded numel) and ``server`` (one
@@ -241,17 +244,21 @@ class _Communicator:
         return ChunkLayout.create(numel, self.world_size, 8)
 
     def reduce_(self, tensor: torch.Tensor, plan: Plan, errors: dict,
-                out: torch.Tensor | None = None) -> bool:
+                out: torch.Tensor | None = None, decode: bool = True) -> bool:
         """Write the average of ``tensor`` over the group's ranks into ``out`` (default:
         ``tensor``); masked coordinates come out exactly 0. Returns False, on every rank alike
         and with ``out`` untouched, when some rank's input was not finite. ``tensor`` may be
         a :class:`~onebit_plugin.update.Fold` (default ``out``: its ``out``), which the 1-bit
-        communicator's CPU kernel folds as it compresses."""
+        communicator's CPU kernel folds as it compresses. With ``decode=False`` the 1-bit
+        communicator may leave the average encoded in ``plan``'s wire buffers (then
+        ``plan.encoded``, and ``out`` is not written) where the CPU kernel can read it so
+        (``MomentumUnit.averaged``)."""
         if out is None:
             out = tensor.out if isinstance(tensor, Fold) else tensor
         started, waited = time.perf_counter(), self.wait_seconds
+        plan.encoded = False
         with self._lock:
-            ok = self._reduce(tensor, out, plan, errors)
+            ok = self._reduce(tensor, out, plan, errors, decode)
         self.calls += 1
         self.skipped_calls += not ok
         self.dense_bytes += plan.layout.dense_wire_bytes(4)
@@ -308,7 +315,7 @@ class _Communicator:
 class ExactAllreduce(_Communicator):
     """fp32 sum allreduce, then ``/ W``: frozen-variance Adam without compression."""
 
-    def _reduce(self, tensor, out, plan: Plan, errors) -> bool:
+    def _reduce(self, tensor, out, plan: Plan, errors, decode) -> bool:
         if isinstance(tensor, Fold):
             tensor = tensor.materialize()
         if out is not tensor:
@@ -354,7 +361,7 @@ class OneBitAllreduce(_Communicator):
     def _layout(self, numel: int) -> ChunkLayout:
         return ChunkLayout.create(numel, self.world_size, self.max_block, self.scale)
 
-    def _reduce(self, tensor, out, plan: Plan, errors) -> bool:
+    def _reduce(self, tensor, out, plan: Plan, errors, decode) -> bool:
         lay, w = plan.layout, plan.wire
         worker_compress(tensor, errors["worker"], plan.mask, lay, w.send_packed, w.send_scales,
                         w.scratch)
@@ -383,6 +390,10 @@ class OneBitAllreduce(_Communicator):
         # Every rank holds the same server scales, so every rank takes the same decision.
         if not bool(torch.isfinite(w.all_scales).all()):
             return False
+        if not decode and out.dtype == torch.float32 and \
+                backend_for(w.all_packed, None, out) == "cpu":
+            plan.encoded = True
+            return True
         decompress(w.all_packed, w.all_scales, plan.mask, lay, out, w.scratch)
         return True
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from onebit_plugin.update import Fold, clip_folded_
+from onebit_plugin.compression import decompress
+from onebit_plugin.update import Encoded, Fold, clip_folded_
 
 __all__ = ["MomentumUnit", "partition"]
 
@@ -134,10 +135,31 @@ class MomentumUnit:
             parts.append((self.offsets[p], p, grads[p], hyper["betas"][0], coupled))
         return Fold(self.local, self.momentum, parts)
 
-    def reduce_(self, comm, grads: dict) -> bool:
+    def reduce_(self, comm, grads: dict, decode: bool = True) -> bool:
         """Fold ``grads`` and average the fold into the local momentum, now; False when some
-        rank's was not finite."""
-        return comm.reduce_(self.fold(grads), self.plan, self.errors)
+        rank's was not finite. With ``decode=False`` the average may stay encoded: read it
+        through :meth:`averaged`, or :meth:`decode_` it first."""
+        return comm.reduce_(self.fold(grads), self.plan, self.errors, decode=decode)
+
+    def averaged(self, p: torch.Tensor) -> torch.Tensor | Encoded:
+        """``p``'s averaged momentum after :meth:`reduce_`: its slice of the fold buffer, or
+        its part of the average the communicator left encoded (``update.Encoded``, which
+        ``update.frozen_update_`` decodes as it reads it)."""
+        local = self.view(p, self.local)
+        if not self.plan.encoded:
+            return local
+        wire = self.plan.wire
+        return Encoded(wire.all_packed, wire.all_scales, self.plan.mask.keep,
+                       self.plan.layout.block, self.offsets[p], local)
+
+    def decode_(self) -> None:
+        """Decode an average left encoded into the fold buffer (before the fold buffer is read
+        as the average: the DDP hook's compare, clipping)."""
+        if self.plan.encoded:
+            wire = self.plan.wire
+            decompress(wire.all_packed, wire.all_scales, self.plan.mask, self.plan.layout,
+                       self.local, wire.scratch)
+            self.plan.encoded = False
 
     def submit(self, comm, grads: dict) -> torch.futures.Future:
         """:meth:`reduce_` on the communicator's background thread."""

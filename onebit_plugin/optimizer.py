@@ -830,7 +830,9 @@ class OneBitAdam(Optimizer):
             for p in unit.params:
                 if p in handed and not self._said_local_changed and _changed(p.grad, handed[p]):
                     self._say_local_changed()
-            ok &= unit.reduce_(self.communicator, {p: p.grad for p in unit.params})
+            # Left encoded where the CPU update pass can decode it as it reads it.
+            ok &= unit.reduce_(self.communicator, {p: p.grad for p in unit.params},
+                               decode=False)
         if not ok:
             return self._skip()
         self._skip_streak = 0
@@ -841,6 +843,7 @@ class OneBitAdam(Optimizer):
             # The new momentum is built in the fold buffer; the update's pass copies it over
             # the old one (the fold buffer then serves the torch passes as scratch).
             if unit in averaged or coef is not None:
+                unit.decode_()
                 for p in unit.params:
                     new = unit.view(p, unit.local)
                     # The hook handed the average to DDP as p.grad (rounded to p.grad's dtype).
@@ -877,7 +880,7 @@ class OneBitAdam(Optimizer):
                 weight_decay=group["weight_decay"], decoupled=group["decoupled_weight_decay"],
                 bounded=self.bound_update,
                 masters=[self._master(p, self.state[p]) for p in params],
-                averaged=[u.view(p, u.local) for u, p in zip(units, params, strict=True)])
+                averaged=[u.averaged(p) for u, p in zip(units, params, strict=True)])
 
     # ---------------------------------------------------------------------------- state dict
     def state_dict(self) -> dict:

@@ -11,10 +11,12 @@ instead of being rounded away every step.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-__all__ = ["Fold", "adam_update_", "clip_folded_", "corrected_root", "fold_gradient_",
-           "frozen_denominator", "frozen_update_"]
+__all__ = ["Encoded", "Fold", "adam_update_", "clip_folded_", "corrected_root",
+           "fold_gradient_", "frozen_denominator", "frozen_update_"]
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
@@ -64,6 +66,30 @@ def fold_gradient_(
     if weight_decay != 0 and not decoupled:
         grad = grad.add(param, alpha=weight_decay)
     torch.lerp(exp_avg, grad, 1 - beta1, out=out)
+
+
+class Encoded(NamedTuple):
+    """One parameter's part of a compressed allreduce's average, still as the communicator left
+    it: ``packed`` signs (bit i of byte k is value 8k+i), one fp32 scale per ``block`` values in
+    ``scales``, the bool ``keep`` mask (False: the value is 0), for values ``offset`` on of the
+    layout, as many as ``fallback`` holds: the fp32 tensor (a slice of the unit's fold buffer)
+    it is decoded into where it cannot be read encoded. :func:`frozen_update_`'s CPU pass
+    decodes it as it reads it: the fp32 average is never written and read back. Made by
+    ``MomentumUnit.averaged``, only where the CPU kernel is built."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    keep: torch.Tensor
+    block: int
+    offset: int
+    fallback: torch.Tensor
+
+    def decoded(self) -> torch.Tensor:
+        """Decode into ``fallback`` and return it."""
+        from onebit_plugin.kernels import cpu
+
+        cpu.decode_range(self, self.fallback)
+        return self.fallback
 
 
 class Fold:
@@ -143,7 +169,7 @@ def frozen_update_(
     params: list[torch.Tensor], exp_avgs: list[torch.Tensor], denoms: list[torch.Tensor],
     steps: list[float], *, lr: float, beta1: float, weight_decay: float, decoupled: bool,
     bounded: bool = True, masters: list[torch.Tensor | None] | None = None,
-    averaged: list[torch.Tensor] | None = None,
+    averaged: list[torch.Tensor | Encoded] | None = None,
 ) -> None:
     """The compression-stage update of one parameter group: each parameter moves by
     ``-lr * m_hat / denom`` (``denom`` from :func:`frozen_denominator`, ``m_hat`` the averaged
@@ -159,9 +185,10 @@ def frozen_update_(
     coordinate, right only on average through error feedback), so it also slows coordinates
     whose true step is inside the bound; docs/design.md, "Bounded steps", measures what that
     costs. ``masters``: fp32 master copies (or None) per parameter. ``averaged``: the new
-    momenta (the optimizer passes its fold buffer, which holds the averaged momentum by then),
-    copied into ``exp_avgs`` by the same pass and then free to be overwritten; without it
-    ``exp_avgs`` already hold them, and the torch passes allocate their ratios."""
+    momenta (the optimizer passes its fold buffer, which holds the averaged momentum by then,
+    or :class:`Encoded` parts of the allreduce's average, decoded by the same pass), copied
+    into ``exp_avgs`` by the same pass and then free to be overwritten; without it ``exp_avgs``
+    already hold them, and the torch passes allocate their ratios."""
     masters = masters or [None] * len(params)
     p32 = [_fp32_param(p, m) for p, m in zip(params, masters, strict=True)]
     decay = 1 - lr * weight_decay if weight_decay != 0 and decoupled else 1.0
@@ -169,8 +196,18 @@ def frozen_update_(
     corrections = [1 - beta1**step for step in steps]
     kernel = _cpu_kernel()
     rest = []
+    if averaged is not None:
+        averaged = list(averaged)
     for i, (p, m, d) in enumerate(zip(p32, exp_avgs, denoms, strict=True)):
         new = m if averaged is None else averaged[i]
+        if isinstance(new, Encoded):
+            if kernel is not None and _fits_cpu_kernel(p, m, d):
+                # Decoded as it is read: the fold buffer is neither written nor read.
+                kernel.frozen_update_packed(p, new, d, decay=decay,
+                                            scale=-(lr / corrections[i]),
+                                            bound=corrections[i] if bounded else None, into=m)
+                continue
+            new = averaged[i] = new.decoded()
         if kernel is not None and _fits_cpu_kernel(p, m, d, new):
             # One pass instead of the six below, the same bits (kernels/cpu_update.c).
             kernel.frozen_update(p, new, d, decay=decay, scale=-(lr / corrections[i]),

@@ -299,3 +299,77 @@ def test_without_the_kernel_the_torch_passes_run_and_it_is_said_once(tmp_path, e
     lines = [line for line in said.splitlines() if line.startswith("onebit:")]
     assert backend == "torch"
     assert len(lines) == 1 and reason in lines[0] and "torch passes" in lines[0], said
+
+
+@pytest.mark.parametrize("bounded", [True, False])
+@pytest.mark.parametrize("decay", [1.0, 1 - 3e-3 * 0.1])
+def test_the_update_pass_decodes_an_encoded_average_as_the_decode_would(bounded, decay):
+    """The update reading each parameter's part of an encoded average (parts starting inside a
+    byte and inside a block, spanning several blocks and several of the pass's 4096-value
+    tiles, masked values, one part above the threaded size) gives the bits of the decode
+    followed by the update, and copies the decoded average; its fallback decode is the
+    decode's."""
+    from onebit_plugin.update import Encoded
+
+    gen = torch.Generator().manual_seed(9)
+    sizes = [1, 7, 1001, 70001, cpu.PARALLEL_FROM + 13]
+    numel = 3 + sum(sizes)
+    layout = ChunkLayout.create(numel, 3, 136)
+    mask = CoordinateMask.build(layout, torch.rand(numel, generator=gen) > 0.2)
+    packed = torch.randint(0, 256, (layout.padded_numel // 8,), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(layout.num_blocks, generator=gen) * 1e-2
+    decoded = torch.empty(numel)
+    C.decompress(packed, scales, mask, layout, decoded, backend="cpu")
+    offset, lr = 3, 3e-3
+    for n, step in zip(sizes, (1, 2, 40, 40, 7), strict=True):
+        c = 1 - 0.9**step
+        p, d = torch.randn(n, generator=gen), torch.rand(n, generator=gen) * 2e-2 + 1e-8
+        want_p, want_m = p.clone(), torch.full((n,), 3.0)
+        cpu.frozen_update(want_p, decoded[offset : offset + n], d, decay=decay,
+                          scale=-(lr / c), bound=c if bounded else None, into=want_m)
+        got_p, got_m = p.clone(), torch.full((n,), 3.0)
+        part = Encoded(packed, scales, mask.keep, layout.block, offset, torch.empty(n))
+        cpu.frozen_update_packed(got_p, part, d, decay=decay, scale=-(lr / c),
+                                 bound=c if bounded else None, into=got_m)
+        assert torch.equal(got_p, want_p) and torch.equal(got_m, want_m), n
+        assert not torch.equal(got_p, p)
+        assert torch.equal(part.decoded(), decoded[offset : offset + n])
+        offset += n
+
+
+def test_frozen_update_takes_encoded_parts_and_decodes_those_it_cannot_read_so():
+    """frozen_update_ with encoded averages equals it with the decoded ones; a parameter the
+    C pass cannot read (a transposed view) has its part decoded into the fallback and goes
+    through the torch passes."""
+    from onebit_plugin.update import Encoded, frozen_update_
+
+    gen = torch.Generator().manual_seed(4)
+    shapes = [(30, 17), (5,), (64, 40)]
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    layout = ChunkLayout.create(numel, 2, 64)
+    mask = CoordinateMask.build(layout, torch.rand(numel, generator=gen) > 0.1)
+    packed = torch.randint(0, 256, (layout.padded_numel // 8,), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(layout.num_blocks, generator=gen) * 1e-2
+    decoded = torch.empty(numel)
+    C.decompress(packed, scales, mask, layout, decoded, backend="cpu")
+    params = [torch.randn(s, generator=gen) for s in shapes]
+    params[2] = torch.randn(40, 64, generator=gen).t()  # not contiguous: the torch passes
+    denoms = [torch.rand(s, generator=gen) * 2e-2 + 1e-8 for s in shapes]
+    results = []
+    for encoded in (False, True):
+        ps = [p.clone() for p in params]
+        ps[2] = params[2].t().clone().t()
+        moms = [torch.zeros(s) for s in shapes]
+        averaged, offset = [], 0
+        for s in shapes:
+            n = torch.Size(s).numel()
+            view = decoded[offset : offset + n].clone().view(s)
+            averaged.append(Encoded(packed, scales, mask.keep, layout.block, offset,
+                                    torch.empty(s)) if encoded else view)
+            offset += n
+        frozen_update_(ps, moms, denoms, [3.0, 3.0, 3.0], lr=1e-3, beta1=0.9,
+                       weight_decay=0.1, decoupled=True, averaged=averaged)
+        results.append((ps, moms))
+    (want_p, want_m), (got_p, got_m) = results
+    for a, b in zip(want_p + want_m, got_p + got_m, strict=True):
+        assert torch.equal(a, b)
