@@ -10,7 +10,8 @@ upper bound on a rank's passes.
     .venv/bin/python benchmarks/step_cost.py [--dim 256] [--layers 8] [--threads 1]
 
 Issue 10 asks that the compression-stage step cost no more than torch Adam's. The same
-gradients every step (random, fixed); best of ``--repeat`` steps each. Run it once as is and
+gradients every step (random, fixed); ``--repeat`` steps each, the three optimizers taking
+turns. Run it once as is and
 once with ``ONEBIT_CPU_KERNEL=0`` to see the torch passes (the update's and the compression's).
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,15 +27,23 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 from charlm import CharGPT  # noqa: E402
-from compression_throughput import bench  # noqa: E402  (its best-of timing)
 
 from onebit_plugin import OneBitAdam  # noqa: E402
 from onebit_plugin.allreduce import OneBitAllreduce  # noqa: E402
 from onebit_plugin.kernels import cpu  # noqa: E402
 
 
-def best_ms(fn, repeat: int) -> float:
-    return bench(fn, repeat) * 1e3
+def interleaved_ms(fns: dict, repeat: int) -> dict:
+    """Each function timed ``repeat`` times, taking turns (this VM's speed drifts by a quarter
+    within a minute: timed one after the other, Adam's step alone measured 19-26 ms in three
+    runs of 2026-12-01); per function the best and the median, in ms."""
+    times = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: (min(t), sorted(t)[len(t) // 2]) for name, t in times.items()}
 
 
 def main() -> None:
@@ -49,25 +59,29 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)
     for q in params:
         q.grad = torch.randn(q.shape, generator=gen) * 1e-3
+    # Three optimizers over the same parameters (lr 1e-6: they barely move), each with its
+    # own state, each past its first step.
     adam = torch.optim.Adam(params, lr=1e-6)
-    adam_ms = best_ms(adam.step, args.repeat)
-    opt = OneBitAdam(params, lr=1e-6, freeze_step=2)
-    for _ in range(3):
-        opt.step()
-    assert opt.stage == "compression"
-    exact_ms = best_ms(opt.step, args.repeat)
-    opt._comm = OneBitAllreduce(None)  # what W ranks would run; nothing to send with one
-    opt._units = None  # rebuilt for it at the next step (its plan and error buffers)
-    opt.step()
-    onebit_ms = best_ms(opt.step, args.repeat)
+    exact = OneBitAdam(params, lr=1e-6, freeze_step=2)
+    onebit = OneBitAdam(params, lr=1e-6, freeze_step=2)
+    onebit._comm = OneBitAllreduce(None)  # what W ranks would run; nothing to send with one
+    for opt in (adam, exact, onebit):
+        for _ in range(4):
+            opt.step()
+    assert exact.stage == onebit.stage == "compression"
+    ms = interleaved_ms({"adam": adam.step, "exact": exact.step, "onebit": onebit.step},
+                        args.repeat)
     n = sum(q.numel() for q in params)
     print(f"{n:,} parameters in {len(params)} tensors, {args.threads} thread(s), C passes "
-          f"{'on' if cpu.library() is not None else 'off'}, best of {args.repeat}")
-    print(f"torch Adam step (foreach):                        {adam_ms:6.1f} ms")
-    print(f"OneBitAdam, compression stage, exact average:     {exact_ms:6.1f} ms (fold, update)")
-    print(f"OneBitAdam, compression stage, 1-bit (W = 1):     {onebit_ms:6.1f} ms "
-          f"({onebit_ms / adam_ms:.2f}x Adam's; fold in the worker pass, server pass, decode, "
-          "update)")
+          f"{'on' if cpu.library() is not None else 'off'}, {args.repeat} steps each, taking "
+          "turns; best / median")
+    (a_best, a_med), (e_best, e_med), (o_best, o_med) = ms["adam"], ms["exact"], ms["onebit"]
+    print(f"torch Adam step (foreach):                     {a_best:6.1f} / {a_med:6.1f} ms")
+    print(f"OneBitAdam, compression stage, exact average:  {e_best:6.1f} / {e_med:6.1f} ms "
+          "(fold, update)")
+    print(f"OneBitAdam, compression stage, 1-bit (W = 1):  {o_best:6.1f} / {o_med:6.1f} ms "
+          f"({o_best / a_best:.2f}x / {o_med / a_med:.2f}x Adam's; fold in the worker pass, "
+          "server pass, decode in the update)")
 
 
 if __name__ == "__main__":

@@ -95,8 +95,9 @@ class MomentumUnit:
         else:
             self.masked = None
         # Gradients are folded into this copy (the CPU kernel folds them on the fly instead);
-        # the average comes back into it, and reaches the momentum (copied by the update's
-        # pass) only once every unit of the step came back finite.
+        # the average comes back into it (or stays encoded: averaged()), and reaches the
+        # momentum (copied by the update's pass) only once every unit of the step came back
+        # finite. The CPU path of a unit step() averages never touches it.
         self.local = torch.empty_like(self.momentum) if local is None else local
         self.plan = comm.plan(numel, keep, denom.device)
         self.errors = self.plan.new_errors()
