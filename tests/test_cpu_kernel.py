@@ -301,6 +301,18 @@ def test_without_the_kernel_the_torch_passes_run_and_it_is_said_once(tmp_path, e
     assert len(lines) == 1 and reason in lines[0] and "torch passes" in lines[0], said
 
 
+def _encoded_average(numel, world, max_block, masked, seed):
+    """Random signs and scales of a layout, a random mask, and their decode (C)."""
+    gen = torch.Generator().manual_seed(seed)
+    layout = ChunkLayout.create(numel, world, max_block)
+    mask = CoordinateMask.build(layout, torch.rand(numel, generator=gen) > masked)
+    packed = torch.randint(0, 256, (layout.padded_numel // 8,), dtype=torch.uint8, generator=gen)
+    scales = torch.rand(layout.num_blocks, generator=gen) * 1e-2
+    decoded = torch.empty(numel)
+    C.decompress(packed, scales, mask, layout, decoded, backend="cpu")
+    return gen, layout, mask, packed, scales, decoded
+
+
 @pytest.mark.parametrize("bounded", [True, False])
 @pytest.mark.parametrize("decay", [1.0, 1 - 3e-3 * 0.1])
 def test_the_update_pass_decodes_an_encoded_average_as_the_decode_would(bounded, decay):
@@ -311,15 +323,8 @@ def test_the_update_pass_decodes_an_encoded_average_as_the_decode_would(bounded,
     decode's."""
     from onebit_plugin.update import Encoded
 
-    gen = torch.Generator().manual_seed(9)
     sizes = [1, 7, 1001, 70001, cpu.PARALLEL_FROM + 13]
-    numel = 3 + sum(sizes)
-    layout = ChunkLayout.create(numel, 3, 136)
-    mask = CoordinateMask.build(layout, torch.rand(numel, generator=gen) > 0.2)
-    packed = torch.randint(0, 256, (layout.padded_numel // 8,), dtype=torch.uint8, generator=gen)
-    scales = torch.rand(layout.num_blocks, generator=gen) * 1e-2
-    decoded = torch.empty(numel)
-    C.decompress(packed, scales, mask, layout, decoded, backend="cpu")
+    gen, layout, mask, packed, scales, decoded = _encoded_average(3 + sum(sizes), 3, 136, 0.2, 9)
     offset, lr = 3, 3e-3
     for n, step in zip(sizes, (1, 2, 40, 40, 7), strict=True):
         c = 1 - 0.9**step
@@ -343,15 +348,9 @@ def test_frozen_update_takes_encoded_parts_and_decodes_those_it_cannot_read_so()
     through the torch passes."""
     from onebit_plugin.update import Encoded, frozen_update_
 
-    gen = torch.Generator().manual_seed(4)
     shapes = [(30, 17), (5,), (64, 40)]
     numel = sum(torch.Size(s).numel() for s in shapes)
-    layout = ChunkLayout.create(numel, 2, 64)
-    mask = CoordinateMask.build(layout, torch.rand(numel, generator=gen) > 0.1)
-    packed = torch.randint(0, 256, (layout.padded_numel // 8,), dtype=torch.uint8, generator=gen)
-    scales = torch.rand(layout.num_blocks, generator=gen) * 1e-2
-    decoded = torch.empty(numel)
-    C.decompress(packed, scales, mask, layout, decoded, backend="cpu")
+    gen, layout, mask, packed, scales, decoded = _encoded_average(numel, 2, 64, 0.1, 4)
     params = [torch.randn(s, generator=gen) for s in shapes]
     params[2] = torch.randn(40, 64, generator=gen).t()  # not contiguous: the torch passes
     denoms = [torch.rand(s, generator=gen) * 2e-2 + 1e-8 for s in shapes]
