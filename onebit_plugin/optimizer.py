@@ -332,9 +332,10 @@ class OneBitAdam(Optimizer):
         ``overlap=False``), or ``p``'s averaged momentum (a unit averaged in backward).
         Its version count is kept, so that ``step()`` sees at no cost whether something changed
         it in between: a changed local gradient is folded as it is, a changed momentum is
-        compared and used as it is, and either is said once (torch's ``clip_grad_norm_`` would
-        clip each rank's local gradient by its own norm, or the momentum). Call it after the
-        hook's last write to the bucket."""
+        compared and used as it is (ignored beside local gradients: ``_say_mixed_changed``),
+        and either is said once (torch's ``clip_grad_norm_`` would clip each rank's local
+        gradient by its own norm, or the momentum). Call it after the hook's last write to the
+        bucket."""
         self._handed[p] = (grad.data_ptr(), grad._version)
 
     def note_local_gradient(self, p: torch.Tensor, grad: torch.Tensor) -> None:
@@ -840,8 +841,9 @@ class OneBitAdam(Optimizer):
         # Some p.grad held local gradients (units left to step()) beside averaged momenta.
         mixed = bool(averaged) and len(averaged) < len(self.units)
         for unit in self.units:
-            # The new momentum is built in the fold buffer; the update's pass copies it over
-            # the old one (the fold buffer then serves the torch passes as scratch).
+            # The new momentum is in the fold buffer, or still encoded (decoded by the update's
+            # pass, which copies it over the old one; the fold buffer then serves the torch
+            # passes as scratch). What reads it as a tensor first has it decoded.
             if unit in averaged or coef is not None:
                 unit.decode_()
                 for p in unit.params:

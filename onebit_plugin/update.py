@@ -159,10 +159,11 @@ def corrected_root(exp_avg_sq: torch.Tensor, step: float, *, beta2: float,
 
 
 def frozen_denominator(exp_avg_sq: torch.Tensor, frozen_step: float, *, beta2: float,
-                       eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                       eps: float) -> torch.Tensor:
     """``sqrt(v_hat) + eps`` of the variance frozen at ``frozen_step`` (its bias correction
-    frozen with it): the same for the whole compression stage, so computed once."""
-    return corrected_root(exp_avg_sq, frozen_step, beta2=beta2, out=out).add_(eps)
+    frozen with it): the same for the whole compression stage, so computed once (the optimizer
+    computes :func:`corrected_root` into its units and adds ``eps`` there)."""
+    return corrected_root(exp_avg_sq, frozen_step, beta2=beta2).add_(eps)
 
 
 def frozen_update_(
