@@ -20,6 +20,7 @@ collectives keep the same order on every rank.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +54,18 @@ __all__ = [
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EXECUTORS: dict = {}
 _EXECUTORS_LOCK = threading.Lock()
+
+
+def _forget_executors() -> None:
+    """In a forked child: it has none of its parent's threads, so an executor inherited from
+    the parent would queue every job and never run one (a rank forked after its parent had
+    used one hung in its first asynchronous call, 2026-12-01); it makes its own."""
+    global _EXECUTORS_LOCK
+    _EXECUTORS.clear()
+    _EXECUTORS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_executors)
 
 
 class CommunicationError(RuntimeError):

@@ -133,3 +133,31 @@ def test_cuda_without_an_index_means_the_current_gpu(monkeypatch):
     assert resolve_device("cuda") == torch.device("cuda", 3)
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
     assert resolve_device(None) == torch.device("cpu")
+
+
+def _submit_in_child(queue):
+    from onebit_plugin.allreduce import comm_executor
+
+    queue.put(comm_executor(None).submit(lambda: "ran").result(timeout=30))
+
+
+def test_a_forked_child_runs_its_own_background_thread():
+    """The background thread's executor is per process: a child forked after the parent used
+    one (torch's ddp_fork, a test's ranks) gets a new one instead of the parent's, whose thread
+    the child does not have (every job would wait forever)."""
+    import multiprocessing as mp
+
+    from onebit_plugin.allreduce import comm_executor
+
+    assert comm_executor(None).submit(lambda: "parent").result(timeout=30) == "parent"
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_submit_in_child, args=(queue,))
+    child.start()
+    child.join(60)
+    hung = child.is_alive()
+    if hung:
+        child.kill()
+        child.join()
+    assert not hung and child.exitcode == 0
+    assert queue.get(timeout=5) == "ran"
