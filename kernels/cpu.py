@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["decode_range", "decompress", "frozen_update", "frozen_update_packed", "library",
-           "server_compress", "worker_compress"]
+__all__ = ["decode_range", "decompress", "frozen_update_many", "library", "server_compress",
+           "worker_compress"]
 
 log = logging.getLogger("onebit_plugin")
 
@@ -100,11 +100,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.onebit_decompress.argtypes = [p, p, p, p, i64, i64, i64, i32]
     lib.onebit_decompress.restype = None
     f64 = ctypes.c_double
-    lib.onebit_frozen_update.argtypes = [p, p, p, p, i64, f64, f64, f64, i32, i32]
-    lib.onebit_frozen_update.restype = None
-    lib.onebit_frozen_update_packed.argtypes = [p, p, p, p, i64, i64, p, p, i64, f64, f64, f64,
-                                                i32, i32]
-    lib.onebit_frozen_update_packed.restype = None
+    lib.onebit_frozen_update_many.argtypes = [ctypes.POINTER(i64), ctypes.POINTER(f64), i64,
+                                              f64, i32]
+    lib.onebit_frozen_update_many.restype = i32
     lib.onebit_decode_range.argtypes = [p, p, p, p, i64, i64, i64]
     lib.onebit_decode_range.restype = None
     return lib
@@ -200,23 +198,32 @@ def decode_range(encoded, out) -> None:
                                   encoded.block)
 
 
-def frozen_update_packed(param, encoded, denom, *, decay: float, scale: float,
-                         bound: float | None, into) -> None:
-    """:func:`frozen_update` reading the averaged momentum ``encoded``
-    (``onebit_plugin.update.Encoded``, ``param``'s part of it) and decoding it on the way:
-    the same bits as decoding it first; the average is copied ``into`` a tensor."""
-    library().onebit_frozen_update_packed(
-        _ptr(param), _ptr(encoded.packed), _ptr(encoded.scales), _ptr(encoded.keep),
-        encoded.offset, encoded.block, _ptr(denom), _ptr(into), param.numel(), decay, scale,
-        0.0 if bound is None else bound, int(bound is not None), _threads(param.numel()))
+def frozen_update_many(rows, *, decay: float) -> None:
+    """The compression-stage update of several parameters in one call: ``rows`` of
+    ``(param, averaged, denom, into, scale, bound)``, where each ``param`` becomes
+    ``param * decay + clamp(averaged / denom, -bound, bound) * scale`` (no clamp for
+    ``bound=None``), the torch passes' bits, in one pass over each; ``averaged`` is the fp32
+    averaged momentum or its part of an encoded average (``onebit_plugin.update.Encoded``,
+    decoded as it is read, the same bits), copied ``into`` a tensor on the way (None: not
+    copied). fp32, contiguous, CPU tensors of ``param``'s size."""
+    if not rows:
+        return
+    table, coefs, values = [], [], 0
+    for param, averaged, denom, into, scale, bound in rows:
+        n = param.numel()
+        values += n
+        if isinstance(averaged, torch.Tensor):
+            table += (param.data_ptr(), averaged.data_ptr(), denom.data_ptr(),
+                      0 if into is None else into.data_ptr(), n, 0, 0, 0, 0, 1)
+        else:
+            table += (param.data_ptr(), 0, denom.data_ptr(),
+                      0 if into is None else into.data_ptr(), n, averaged.packed.data_ptr(),
+                      averaged.scales.data_ptr(), averaged.keep.data_ptr(), averaged.offset,
+                      averaged.block)
+        coefs += (scale, 0.0 if bound is None else bound, float(bound is not None))
+    rc = library().onebit_frozen_update_many((ctypes.c_int64 * len(table))(*table),
+                                             (ctypes.c_double * len(coefs))(*coefs), len(rows),
+                                             decay, _threads(values))
+    if rc != 0:
+        raise MemoryError("onebit: the CPU update could not allocate its tile index")
 
-
-def frozen_update(param, exp_avg, denom, *, decay: float, scale: float, bound: float | None,
-                  into=None) -> None:
-    """``param = param * decay + clamp(exp_avg / denom, -bound, bound) * scale`` in one pass
-    (no clamp for ``bound=None``), the torch passes' bits, and ``exp_avg`` copied ``into`` a
-    tensor on the way (None: not copied); fp32, contiguous, CPU, one size."""
-    library().onebit_frozen_update(_ptr(param), _ptr(exp_avg), _ptr(denom),
-                                   None if into is None else _ptr(into), param.numel(),
-                                   decay, scale, 0.0 if bound is None else bound,
-                                   int(bound is not None), _threads(param.numel()))

@@ -8,12 +8,11 @@
  * rounded once: built without fused multiply-add (-ffp-contract=off), the results are the
  * torch passes' bit for bit. The clamp keeps NaN, as torch's does. The multipliers arrive as
  * doubles and are rounded to fp32 here, as torch rounds a Python scalar for an fp32 tensor.
+ * A parameter group's parameters go in one call (onebit_frozen_update_many).
  */
 #include <stddef.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #include <stdint.h>
+#include <stdlib.h>
 
 /* One loop per case, each simple enough to vectorise: the compiler specialises the inline
  * body for the constant flags. */
@@ -55,56 +54,80 @@ static void update_cases(float *restrict p, const float *restrict m, const float
         update_range(p, m, d, m_state, n, k, s, lo, hi, 0, 0, 0);
 }
 
-/* m_state: where the averaged momentum m is copied (NULL: nowhere). */
-void onebit_frozen_update(float *restrict p, const float *restrict m, const float *restrict d,
-                          float *restrict m_state, int64_t n, double decay, double scale,
-                          double bound, int bounded, int threads) {
-    const float k = (float)decay, s = (float)scale, hi = (float)bound, lo = -(float)bound;
-    const int decays = decay != 1.0, copies = m_state != NULL;
-#pragma omp parallel num_threads(threads)
-    {
-        /* This thread's share, as schedule(static) would cut it. */
-        int64_t team = 1, me = 0;
-#ifdef _OPENMP
-        team = omp_get_num_threads();
-        me = omp_get_thread_num();
-#endif
-        int64_t per = (n + team - 1) / team, from = me * per;
-        int64_t len = from >= n ? 0 : (n - from < per ? n - from : per);
-        update_cases(p + from, m + from, d + from, copies ? m_state + from : NULL, len, k, s,
-                     lo, hi, bounded, decays);
-    }
-}
-
 void onebit_decode_range(const uint8_t *packed, const float *scales, const uint8_t *keep,
                          float *out, int64_t g0, int64_t n, int64_t block); /* cpu_compress.c */
 
-/* Values decoded per turn of the update below: 16 KiB of fp32, which stays in L1. */
-#define DECODED_TILE 4096
+/* Values per turn of the update below: 16 KiB of fp32, which stays in L1 (the decoded
+ * average's buffer), and the unit the threads share the work in. */
+#define TILE 4096
 
-/* onebit_frozen_update with the averaged momentum still as the compressed allreduce left it:
- * packed signs, one scale per block and the mask, for values offset..offset+n of the layout.
- * A tile at a time is decoded (onebit_decode_range, the final decode's own code) into a
- * buffer that stays in cache and updated from there, so the fp32 average is never written to
- * memory and read back: the same bits as the decode followed by the update. The average is
- * copied into m_state, the optimizer's momentum. */
-void onebit_frozen_update_packed(float *restrict p, const uint8_t *packed, const float *scales,
-                                 const uint8_t *keep, int64_t offset, int64_t block,
-                                 const float *restrict d, float *restrict m_state, int64_t n,
-                                 double decay, double scale, double bound, int bounded,
-                                 int threads) {
-    const float k = (float)decay, s = (float)scale, hi = (float)bound, lo = -(float)bound;
+/* One row of the table below: what the update of one parameter reads and writes. */
+enum { P, M, D, M_STATE, N, PACKED, SCALES, KEEP, OFFSET, BLOCK, COLUMNS };
+/* Its multipliers: scale, bound, bounded (0 or 1). */
+enum { SCALE, BOUND, BOUNDED, COEFS };
+
+/* Tile t of a row: values [from, from + len) of its parameter. With the averaged momentum m
+ * as fp32 (row[M] != 0) it is read where it lies; else it is still as the compressed allreduce
+ * left it (packed signs, one scale per block, the mask; row[OFFSET] its first value in that
+ * layout), and a tile at a time is decoded (onebit_decode_range, the final decode's own code)
+ * into a buffer that stays in cache and updated from there: the fp32 average is never written
+ * to memory and read back, the same bits as the decode followed by the update. */
+static void update_tile(const int64_t *row, const double *coef, float k, int decays,
+                        int64_t from, int64_t len) {
+    float *p = (float *)(intptr_t)row[P] + from;
+    const float *d = (const float *)(intptr_t)row[D] + from;
+    float *m_state = row[M_STATE] ? (float *)(intptr_t)row[M_STATE] + from : NULL;
+    const float s = (float)coef[SCALE], hi = (float)coef[BOUND], lo = -(float)coef[BOUND];
+    const int bounded = coef[BOUNDED] != 0.0;
+    if (row[M]) {
+        update_cases(p, (const float *)(intptr_t)row[M] + from, d, m_state, len, k, s, lo, hi,
+                     bounded, decays);
+        return;
+    }
+    float m[TILE];
+    onebit_decode_range((const uint8_t *)(intptr_t)row[PACKED],
+                        (const float *)(intptr_t)row[SCALES], (const uint8_t *)(intptr_t)row[KEEP],
+                        m, row[OFFSET] + from, len, row[BLOCK]);
+    update_cases(p, m, d, m_state, len, k, s, lo, hi, bounded, decays);
+}
+
+/* The update of `rows` parameters in one call (a parameter group's, from Python, which would
+ * otherwise pay a call per parameter: some 100 per step for a 6.5M-parameter GPT): row i of
+ * `table` (COLUMNS int64: addresses, sizes, the encoded average's place) and of `coefs` (COEFS
+ * doubles); `decay` the group's. The rows' tiles are shared among `threads` threads; m_state
+ * (0: none) receives the averaged momentum, the optimizer's from then on. Returns 0, or -1
+ * when the tile index could not be allocated. */
+int onebit_frozen_update_many(const int64_t *table, const double *coefs, int64_t rows,
+                              double decay, int threads) {
+    const float k = (float)decay;
     const int decays = decay != 1.0;
-    const int64_t tiles = (n + DECODED_TILE - 1) / DECODED_TILE;
-    /* The first decode fills the sign table; before the threads, which only read it. */
-    float first[8];
-    if (n > 0) onebit_decode_range(packed, scales, keep, first, offset, 1, block);
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(rows + 1)); /* each row's first tile */
+    if (first == NULL) return -1;
+    first[0] = 0;
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t *row = table + i * COLUMNS;
+        first[i + 1] = first[i] + (row[N] + TILE - 1) / TILE;
+        if (!row[M] && row[N] > 0) { /* the first decode fills the sign table, before the threads */
+            float one;
+            onebit_decode_range((const uint8_t *)(intptr_t)row[PACKED],
+                                (const float *)(intptr_t)row[SCALES],
+                                (const uint8_t *)(intptr_t)row[KEEP], &one, row[OFFSET], 1,
+                                row[BLOCK]);
+        }
+    }
+    const int64_t tiles = first[rows];
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
-        float m[DECODED_TILE];
-        int64_t from = t * DECODED_TILE;
-        int64_t len = n - from < DECODED_TILE ? n - from : DECODED_TILE;
-        onebit_decode_range(packed, scales, keep, m, offset + from, len, block);
-        update_cases(p + from, m, d + from, m_state + from, len, k, s, lo, hi, bounded, decays);
+        int64_t lo = 0, hi = rows - 1; /* the row holding tile t: the last first <= t */
+        while (lo < hi) {
+            int64_t mid = (lo + hi + 1) / 2;
+            if (first[mid] <= t) lo = mid; else hi = mid - 1;
+        }
+        const int64_t *row = table + lo * COLUMNS;
+        int64_t from = (t - first[lo]) * TILE;
+        int64_t len = row[N] - from < TILE ? row[N] - from : TILE;
+        update_tile(row, coefs + lo * COEFS, k, decays, from, len);
     }
+    free(first);
+    return 0;
 }

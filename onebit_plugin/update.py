@@ -196,26 +196,24 @@ def frozen_update_(
     # |m_hat / denom| <= 1 is |m / denom| <= 1 - b1**step, before m's bias correction.
     corrections = [1 - beta1**step for step in steps]
     kernel = _cpu_kernel()
-    rest = []
+    rows, rest = [], []
     if averaged is not None:
         averaged = list(averaged)
     for i, (p, m, d) in enumerate(zip(p32, exp_avgs, denoms, strict=True)):
         new = m if averaged is None else averaged[i]
-        if isinstance(new, Encoded):
-            if kernel is not None and _fits_cpu_kernel(p, m, d):
-                # Decoded as it is read: the fold buffer is neither written nor read.
-                kernel.frozen_update_packed(p, new, d, decay=decay,
-                                            scale=-(lr / corrections[i]),
-                                            bound=corrections[i] if bounded else None, into=m)
-                continue
-            new = averaged[i] = new.decoded()
-        if kernel is not None and _fits_cpu_kernel(p, m, d, new):
-            # One pass instead of the six below, the same bits (kernels/cpu_update.c).
-            kernel.frozen_update(p, new, d, decay=decay, scale=-(lr / corrections[i]),
-                                 bound=corrections[i] if bounded else None,
-                                 into=None if averaged is None else m)
-        else:
-            rest.append(i)
+        encoded = isinstance(new, Encoded)
+        if kernel is not None and _fits_cpu_kernel(p, m, d) and \
+                (encoded or _fits_cpu_kernel(new)):
+            # One pass instead of the six below, the same bits (kernels/cpu_update.c); an
+            # encoded average decoded as it is read (the fold buffer neither written nor read).
+            rows.append((p, new, d, None if averaged is None else m, -(lr / corrections[i]),
+                         corrections[i] if bounded else None))
+            continue
+        if encoded:
+            averaged[i] = new.decoded()
+        rest.append(i)
+    if rows:  # one call for the group (one per parameter cost ~10 us each of Python)
+        kernel.frozen_update_many(rows, decay=decay)
     if rest:
         work = None
         if averaged is not None:

@@ -193,14 +193,15 @@ def test_the_update_pass_equals_the_torch_passes(bounded, decay):
     lr = 3e-3
     fused = [p.clone() for p in params]
     copies = [torch.full_like(m, 3.0) for m in moms]
-    for p, m, d, c, into in zip(fused, moms, denoms, corrections, copies, strict=True):
-        cpu.frozen_update(p, m, d, decay=decay, scale=-(lr / c), bound=c if bounded else None,
-                          into=into)
+    # All in one call, as a parameter group's; the tiles of several parameters shared by threads.
+    cpu.frozen_update_many([(p, m, d, into, -(lr / c), c if bounded else None) for
+                            p, m, d, c, into in zip(fused, moms, denoms, corrections, copies,
+                                                    strict=True)], decay=decay)
     for m, into in zip(moms, copies, strict=True):  # the momentum copied on the way
         assert torch.equal(into.nan_to_num(7.0), m.nan_to_num(7.0))
     alone = params[3].clone()  # without a copy, the same update
-    cpu.frozen_update(alone, moms[3], denoms[3], decay=decay, scale=-(lr / corrections[3]),
-                      bound=corrections[3] if bounded else None)
+    cpu.frozen_update_many([(alone, moms[3], denoms[3], None, -(lr / corrections[3]),
+                             corrections[3] if bounded else None)], decay=decay)
     assert torch.equal(alone, fused[3])
     passes = [p.clone() for p in params]
     _frozen_update_passes(passes, moms, denoms, corrections, lr=lr, decay=decay,
@@ -326,20 +327,31 @@ def test_the_update_pass_decodes_an_encoded_average_as_the_decode_would(bounded,
     sizes = [1, 7, 1001, 70001, cpu.PARALLEL_FROM + 13]
     gen, layout, mask, packed, scales, decoded = _encoded_average(3 + sum(sizes), 3, 136, 0.2, 9)
     offset, lr = 3, 3e-3
+    batch, wants = [], []
     for n, step in zip(sizes, (1, 2, 40, 40, 7), strict=True):
         c = 1 - 0.9**step
         p, d = torch.randn(n, generator=gen), torch.rand(n, generator=gen) * 2e-2 + 1e-8
         want_p, want_m = p.clone(), torch.full((n,), 3.0)
-        cpu.frozen_update(want_p, decoded[offset : offset + n], d, decay=decay,
-                          scale=-(lr / c), bound=c if bounded else None, into=want_m)
+        cpu.frozen_update_many([(want_p, decoded[offset : offset + n], d, want_m, -(lr / c),
+                                 c if bounded else None)], decay=decay)
         got_p, got_m = p.clone(), torch.full((n,), 3.0)
         part = Encoded(packed, scales, mask.keep, layout.block, offset, torch.empty(n))
-        cpu.frozen_update_packed(got_p, part, d, decay=decay, scale=-(lr / c),
-                                 bound=c if bounded else None, into=got_m)
+        cpu.frozen_update_many([(got_p, part, d, got_m, -(lr / c), c if bounded else None)],
+                               decay=decay)
         assert torch.equal(got_p, want_p) and torch.equal(got_m, want_m), n
         assert not torch.equal(got_p, p)
         assert torch.equal(part.decoded(), decoded[offset : offset + n])
+        # Again in one call for all: encoded and fp32 averages, in turns, without a copy for
+        # the last, each row its own scale and bound.
+        averaged = part if len(batch) % 2 == 0 else decoded[offset : offset + n]
+        into = None if n == sizes[-1] else torch.full((n,), 3.0)
+        batch.append((p.clone(), averaged, d, into, -(lr / c), c if bounded else None))
+        wants.append((want_p, want_m))
         offset += n
+    cpu.frozen_update_many(batch, decay=decay)
+    for (got_p, _, _, got_m, _, _), (want_p, want_m) in zip(batch, wants, strict=True):
+        assert torch.equal(got_p, want_p)
+        assert got_m is None or torch.equal(got_m, want_m)
 
 
 def test_frozen_update_takes_encoded_parts_and_decodes_those_it_cannot_read_so():
