@@ -1,13 +1,14 @@
 """What one optimizer step costs on the CPU, side by side: torch's Adam (foreach) and OneBitAdam
 in the compression stage, on the communication-bound cluster workload's GPT. One process, whose
-OneBitAdam is given the 1-bit communicator it would have with W ranks (a single process
-otherwise averages exactly): its step folds the gradients inside the worker pass, runs the
-server pass and the decode, and updates the parameters, everything a rank does but the
-collectives. That is W = 1, where the server pass keeps an error for every value; with W ranks
-it decodes as many values (1/W of them from each of W senders) but keeps the error of 1/W: an
-upper bound on a rank's passes.
+OneBitAdam is given the 1-bit communicator of rank 0 of W ranks (a single process otherwise
+averages exactly): its step folds the gradients inside the worker pass, runs the server pass
+and the decode, and updates the parameters, everything a rank does but the collectives, whose
+all-to-alls are replaced by a local copy (the rows it would receive from the others are its
+own: other numbers, the same work). W = 1 is an upper bound: its server pass keeps an error for
+every value; with W ranks a rank decodes as many values (1/W of them from each of W senders)
+but keeps the error of 1/W.
 
-    .venv/bin/python benchmarks/step_cost.py [--dim 256] [--layers 8] [--threads 1]
+    .venv/bin/python benchmarks/step_cost.py [--dim 256] [--layers 8] [--threads 1] [--world 4]
 
 Issue 10 asks that the compression-stage step cost no more than torch Adam's. The same
 gradients every step (random, fixed); ``--repeat`` steps each, the three optimizers taking
@@ -33,6 +34,17 @@ from onebit_plugin.allreduce import OneBitAllreduce  # noqa: E402
 from onebit_plugin.kernels import cpu  # noqa: E402
 
 
+class RankOf(OneBitAllreduce):
+    """Rank 0 of ``world`` ranks, alone: its passes at their sizes, each all-to-all a copy."""
+
+    def __init__(self, world: int):
+        super().__init__(None)
+        self.world_size, self.rank = world, 0
+
+    def _exchange(self, w, what: str) -> None:
+        w.recv_rows.copy_(w.send_rows)
+
+
 def interleaved_ms(fns: dict, repeat: int) -> dict:
     """Each function timed ``repeat`` times, taking turns (this VM's speed drifts by a quarter
     within a minute: timed one after the other, Adam's step alone measured 19-26 ms in three
@@ -52,6 +64,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeat", type=int, default=20)
+    p.add_argument("--world", type=int, default=4, help="W of the 1-bit rows besides W = 1")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -65,23 +78,27 @@ def main() -> None:
     exact = OneBitAdam(params, lr=1e-6, freeze_step=2)
     onebit = OneBitAdam(params, lr=1e-6, freeze_step=2)
     onebit._comm = OneBitAllreduce(None)  # what W ranks would run; nothing to send with one
-    for opt in (adam, exact, onebit):
+    rank = OneBitAdam(params, lr=1e-6, freeze_step=2)
+    rank._comm = RankOf(args.world)
+    opts = {"adam": adam, "exact": exact, "onebit": onebit, "rank": rank}
+    for opt in opts.values():
         for _ in range(4):
             opt.step()
-    assert exact.stage == onebit.stage == "compression"
-    ms = interleaved_ms({"adam": adam.step, "exact": exact.step, "onebit": onebit.step},
-                        args.repeat)
+    assert exact.stage == onebit.stage == rank.stage == "compression"
+    ms = interleaved_ms({name: opt.step for name, opt in opts.items()}, args.repeat)
     n = sum(q.numel() for q in params)
     print(f"{n:,} parameters in {len(params)} tensors, {args.threads} thread(s), C passes "
           f"{'on' if cpu.library() is not None else 'off'}, {args.repeat} steps each, taking "
           "turns; best / median")
-    (a_best, a_med), (e_best, e_med), (o_best, o_med) = ms["adam"], ms["exact"], ms["onebit"]
+    (a_best, a_med), (e_best, e_med) = ms["adam"], ms["exact"]
     print(f"torch Adam step (foreach):                     {a_best:6.1f} / {a_med:6.1f} ms")
     print(f"OneBitAdam, compression stage, exact average:  {e_best:6.1f} / {e_med:6.1f} ms "
           "(fold, update)")
-    print(f"OneBitAdam, compression stage, 1-bit (W = 1):  {o_best:6.1f} / {o_med:6.1f} ms "
-          f"({o_best / a_best:.2f}x / {o_med / a_med:.2f}x Adam's; fold in the worker pass, "
-          "server pass, decode in the update)")
+    for name, world in (("onebit", 1), ("rank", args.world)):
+        best, med = ms[name]
+        print(f"OneBitAdam, compression stage, 1-bit (W = {world}):  {best:6.1f} / {med:6.1f} ms "
+              f"({best / a_best:.2f}x / {med / a_med:.2f}x Adam's; fold in the worker pass, "
+              "server pass, decode in the update)")
 
 
 if __name__ == "__main__":

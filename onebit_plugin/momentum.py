@@ -64,7 +64,7 @@ class MomentumUnit:
     """
 
     __slots__ = ("params", "offsets", "hypers", "momentum", "local", "denom", "plan", "errors",
-                 "masked", "_views")
+                 "masked", "_views", "_encoded")
 
     def __init__(self, params, momenta, denom, keep, hypers, comm, local=None):
         self.params = list(params)
@@ -105,6 +105,7 @@ class MomentumUnit:
         # per step (about 100 parameters in a 6.5M-parameter GPT: some 0.5 ms of slicing).
         self._views = {id(b): {p: self._slice(p, b) for p in self.params}
                        for b in (self.momentum, self.local, self.denom)}
+        self._encoded = None  # averaged()'s parts, made at its first use (the wire is fixed)
 
     def view(self, p: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """``p``'s slice of the momentum (or of ``buffer``), shaped like ``p``."""
@@ -146,12 +147,14 @@ class MomentumUnit:
         """``p``'s averaged momentum after :meth:`reduce_`: its slice of the fold buffer, or
         its part of the average the communicator left encoded (``update.Encoded``, which
         ``update.frozen_update_`` decodes as it reads it)."""
-        local = self.view(p, self.local)
         if not self.plan.encoded:
-            return local
-        wire = self.plan.wire
-        return Encoded(wire.all_packed, wire.all_scales, self.plan.mask.keep,
-                       self.plan.layout.block, self.offsets[p], local)
+            return self.view(p, self.local)
+        if self._encoded is None:
+            wire, block = self.plan.wire, self.plan.layout.block
+            self._encoded = {q: Encoded(wire.all_packed, wire.all_scales, self.plan.mask.keep,
+                                        block, self.offsets[q], self.view(q, self.local))
+                             for q in self.params}
+        return self._encoded[p]
 
     def decode_(self) -> None:
         """Decode an average left encoded into the fold buffer (before the fold buffer is read

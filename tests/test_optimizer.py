@@ -263,6 +263,44 @@ def test_step_counters_are_never_moved_to_a_device_on_resume():
         assert state["step"].device.type == "cpu"
 
 
+def test_step_counts_follow_each_parameter_in_the_compression_stage(tmp_path):
+    """The compression stage counts all steps in one tensor; a parameter frozen for a while
+    (requires_grad False) neither moves nor counts those steps, and a checkpoint saved then
+    continues the same trajectory with the same counts."""
+    def run(model, opt, steps):
+        for step in steps:
+            opt.zero_grad()
+            _loss(model, _batch(step)).backward()
+            opt.step()
+
+    model = _model()
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=3)
+    run(model, opt, range(5))
+    assert opt.stage == "compression"
+    assert [float(opt.state[p]["step"]) for p in model.parameters()] == [5.0] * 5
+    frozen = model[4].weight
+    before = frozen.detach().clone()
+    frozen.requires_grad_(False)
+    run(model, opt, range(5, 8))
+    assert torch.equal(frozen, before) and float(opt.state[frozen]["step"]) == 5.0
+    assert [float(opt.state[p]["step"]) for p in model.parameters() if p is not frozen] == \
+        [8.0] * 4
+    frozen.requires_grad_(True)
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    run(model, opt, range(8, 10))
+    assert not torch.equal(frozen, before) and float(opt.state[frozen]["step"]) == 7.0
+    ckpt = torch.load(tmp_path / "ckpt.pt")
+    resumed = _model(seed=1)
+    resumed.load_state_dict(ckpt["model"])
+    opt2 = OneBitAdam(resumed.parameters(), lr=1e-2, freeze_step=3)
+    opt2.load_state_dict(ckpt["opt"])
+    run(resumed, opt2, range(8, 10))
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert [float(opt2.state[p]["step"]) for p in resumed.parameters()] == \
+        [float(opt.state[p]["step"]) for p in model.parameters()]
+
+
 # ------------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize(
     "kwargs,message",
