@@ -695,14 +695,17 @@ class OneBitAdam(Optimizer):
         wait_collectives([work], self.comm_timeout, "the warm-up gradient allreduce",
                          self.comm_group)
         world = self.world_size
-        flat[:total].div_(world)
         self._warmup_sent += _ring_bytes(flat.nbytes, world)
         self._warmup_dense += _ring_bytes(4 * total, world)
         for p, view, present in zip(params, views, flat[total:].tolist(), strict=True):
-            if p.grad is not None:
-                p.grad.copy_(view.view_as(p))
+            if p.grad is not None and p.grad.dtype == torch.float32:
+                # The mean straight into p.grad: one pass fewer over the gradients than
+                # dividing in place and copying (the same division, the same bits).
+                torch.div(view.view_as(p), world, out=p.grad)
+            elif p.grad is not None:
+                p.grad.copy_(view.div_(world).view_as(p))
             elif present:  # another rank had one
-                p.grad = view.view_as(p).to(p.dtype, copy=True)
+                p.grad = view.div_(world).view_as(p).to(p.dtype, copy=True)
 
     # --------------------------------------------------------------------------- compression
     def set_total_steps(self, total_steps: int) -> None:
