@@ -829,8 +829,24 @@ class OneBitAdam(Optimizer):
             if len(saved) != len(self._units):
                 raise ValueError(f"the checkpoint holds {len(saved)} momentum units, this "
                                  f"optimizer has {len(self._units)}")
+            rank, saved_by = group_size_and_rank(self.process_group)[1], self._saved.pop("rank")
+            if saved_by is not None and saved_by != rank:
+                self._say_other_ranks_errors(rank, saved_by)
+                return  # the errors stay zero
             for unit, state in zip(self._units, saved, strict=True):
                 unit.load_state_dict(state)
+
+    @staticmethod
+    def _say_other_ranks_errors(rank: int, saved_by: int) -> None:
+        log.warning(
+            "onebit: rank %d resumes from a OneBitAdam state that rank %d saved in the "
+            "compression stage: its error buffers are rank %d's (every rank's differ) and are "
+            "not loaded; this rank's error feedback restarts from zero, so the run is not the "
+            "uninterrupted one. Save every rank's optimizer.onebit_state_dict() and load each "
+            "rank's own with load_onebit_state_dict() after load_state_dict() (the Lightning "
+            "and Fabric strategies, onebit-run's Accelerate flag and Trainer patch do; "
+            "examples/train_torchrun.py --ckpt-dir shows it in a plain loop)",
+            rank, saved_by, saved_by)
 
     def _compression_step(self) -> None:
         """Every unit the DDP hook did not average during backward is folded and averaged here,
@@ -936,7 +952,9 @@ class OneBitAdam(Optimizer):
                                 if self.auto_freeze is not None and self.switch_step is None
                                 else None),
                 "switch_step": self.switch_step, "skipped_steps": self.skipped_steps,
-                "world_size": self.world_size, "unit_cap_bytes": self._unit_cap_bytes,
+                "world_size": self.world_size,
+                "rank": group_size_and_rank(self.process_group)[1],
+                "unit_cap_bytes": self._unit_cap_bytes,
                 "warmup_counts": (self._warmup_sent, self._warmup_dense),
                 "clip_bytes": self._clip_sent, "clipping": self._norm_sketch is not None,
                 "compression_counts": self._compression_counts(), "units": units}
@@ -1007,7 +1025,10 @@ class OneBitAdam(Optimizer):
         self._comm = None
         self._saved = {"counts": tuple(onebit["compression_counts"])}
         if onebit["units"] is not None:
-            self._saved.update(units=onebit["units"], unit_cap_bytes=onebit["unit_cap_bytes"])
+            # Whose errors they are is checked when the units take them (_build_units): the
+            # integrations load rank 0's whole state first, then each rank's own errors.
+            self._saved.update(units=onebit["units"], unit_cap_bytes=onebit["unit_cap_bytes"],
+                               rank=onebit.get("rank"))  # absent before 2026-12-02
         self._units, self._unit_of, self._averaged, self._handed = None, {}, {}, {}
         self._steps = self._rows = None
         self._settings_checked = False

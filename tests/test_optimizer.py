@@ -375,7 +375,16 @@ def test_copy_of_optimizer_pickles_without_process_group():
     assert copied.group is None and torch.equal(copied.worker_error, state.worker_error)
 
 
-def _resume_worker(rank, world, tmp):
+def _resume_worker(rank, world, tmp, load_from="own"):
+    """Train into the compression stage, save, go on; then resume from the file of rank
+    ``own`` (this one), ``other`` (the other one) or ``rank0``, and go on the same way."""
+    import logging
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("onebit_plugin").addHandler(handler)
+
     def run(model, opt, steps):
         for step in steps:
             opt.zero_grad()
@@ -387,22 +396,48 @@ def _resume_worker(rank, world, tmp):
     run(model, opt, range(6))
     path = f"{tmp}/rank{rank}.pt"  # every rank saves its own error buffers
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
-    run(model, opt, range(6, 12))
-    ckpt = torch.load(path)
+    run(model, opt, range(6, 12))  # its collectives: every rank has saved by the end
+    source = {"own": rank, "other": world - 1 - rank, "rank0": 0}[load_from]
+    ckpt = torch.load(f"{tmp}/rank{source}.pt")
     resumed = _model(seed=5)
     resumed.load_state_dict(ckpt["model"])
     opt2 = OneBitAdam(resumed.parameters(), lr=1e-2, freeze_step=3)
     opt2.load_state_dict(ckpt["opt"])
+    errors = [{k: e.clone() for k, e in u.errors.items()} for u in opt2.units]
+    saved_errors = ckpt["opt"]["onebit"]["units"]
     run(resumed, opt2, range(6, 12))
-    return [p.detach() for p in model.parameters()], [p.detach() for p in resumed.parameters()]
+    return ([p.detach() for p in model.parameters()], [p.detach() for p in resumed.parameters()],
+            errors, saved_errors, said)
 
 
 def test_resume_in_compression_stage_across_ranks(tmp_path):
     results = run_ranks(_resume_worker, 2, str(tmp_path))
     assert_ranks_identical([r[1] for r in results], "resumed parameters")
-    for uninterrupted, resumed in results:
+    for uninterrupted, resumed, *_ in results:
         for a, b in zip(uninterrupted, resumed, strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("load_from", ["other", "rank0"])
+def test_another_ranks_errors_are_not_loaded_and_it_is_said(tmp_path, load_from):
+    """Each rank's error buffers are its own: a rank resuming from another rank's state (the
+    files swapped; rank 0's state loaded everywhere, as a loop that saves on rank 0 only does)
+    says so once and restarts its error feedback from zero; the ranks stay identical."""
+    results = run_ranks(_resume_worker, 2, str(tmp_path), load_from)
+    assert_ranks_identical([r[1] for r in results], "resumed parameters")
+    for rank, (uninterrupted, resumed, errors, saved, said) in enumerate(results):
+        other = load_from == "other" or rank == 1
+        lines = [line for line in said if "error buffers are rank" in line]
+        assert len(lines) == (1 if other else 0), said
+        if other:
+            assert f"rank {rank} resumes from a OneBitAdam state that rank {1 - rank} saved" \
+                in lines[0]
+        assert any(e.abs().sum() > 0 for unit in saved for k, e in unit.items() if k != "numel")
+        for unit, kept in zip(errors, saved, strict=True):
+            for name, e in unit.items():
+                assert torch.equal(e, torch.zeros_like(e) if other else kept[name]), name
+        # Not the uninterrupted run, on either rank (rank 1's zero errors move rank 0 too).
+        assert any(not torch.equal(a, b) for a, b in zip(uninterrupted, resumed, strict=True))
 
 
 def _state_worker(rank, world):
