@@ -284,9 +284,16 @@ def main() -> None:
     # 40 runs (2026-12-01, a DDP + Adam and a no-DDP OneBitAdam run) one rank aborted at the
     # end with "terminate called without an active exception" (a gloo thread destroyed while
     # joinable) and the others waited out torchrun's 300 s exit barrier; whether the ranks'
-    # unordered teardown is the cause is not established.
+    # unordered teardown is the cause is not established. With this barrier it happened
+    # again (2026-12-01 19:18 UTC, DDP + PowerSGD rank 4: no code of this package): after the
+    # barrier, so in the teardown, and it ended `make bench`. The record is written and every
+    # collective done by then: the process leaves without the interpreter's teardown, where
+    # C++ objects are destroyed in no set order.
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
