@@ -208,6 +208,7 @@ class OneBitAdam(Optimizer):
         self._units: list[MomentumUnit] | None = None
         self._unit_of: dict[torch.Tensor, MomentumUnit] = {}
         self._steps: torch.Tensor | None = None  # the units' step counters, one tensor
+        self._step_index: dict[torch.Tensor, int] = {}  # param: its place in _steps
         self._rows: tuple | None = None  # per group, what the update reads (_update_rows)
         self._saved: dict = {}  # units' errors and counters from a checkpoint, until built
         self._averaged: dict[MomentumUnit, bool] = {}  # by the DDP hook, this iteration
@@ -829,8 +830,10 @@ class OneBitAdam(Optimizer):
             if len(saved) != len(self._units):
                 raise ValueError(f"the checkpoint holds {len(saved)} momentum units, this "
                                  f"optimizer has {len(self._units)}")
-            rank, saved_by = group_size_and_rank(self.process_group)[1], self._saved.pop("rank")
-            if saved_by is not None and saved_by != rank:
+            rank = group_size_and_rank(self.process_group)[1]
+            saved_by = self._saved.pop("rank", None)
+            errors = any(set(state) - {"numel"} for state in saved)  # none when exact
+            if errors and saved_by is not None and saved_by != rank:
                 self._say_other_ranks_errors(rank, saved_by)
                 return  # the errors stay zero
             for unit, state in zip(self._units, saved, strict=True):

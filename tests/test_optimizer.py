@@ -375,7 +375,7 @@ def test_copy_of_optimizer_pickles_without_process_group():
     assert copied.group is None and torch.equal(copied.worker_error, state.worker_error)
 
 
-def _resume_worker(rank, world, tmp, load_from="own"):
+def _resume_worker(rank, world, tmp, load_from="own", compress=True):
     """Train into the compression stage, save, go on; then resume from the file of rank
     ``own`` (this one), ``other`` (the other one) or ``rank0``, and go on the same way."""
     import logging
@@ -392,7 +392,7 @@ def _resume_worker(rank, world, tmp, load_from="own"):
             opt.step()
 
     model = _model()
-    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=3)
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=3, compress_momentum=compress)
     run(model, opt, range(6))
     path = f"{tmp}/rank{rank}.pt"  # every rank saves its own error buffers
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
@@ -401,7 +401,7 @@ def _resume_worker(rank, world, tmp, load_from="own"):
     ckpt = torch.load(f"{tmp}/rank{source}.pt")
     resumed = _model(seed=5)
     resumed.load_state_dict(ckpt["model"])
-    opt2 = OneBitAdam(resumed.parameters(), lr=1e-2, freeze_step=3)
+    opt2 = OneBitAdam(resumed.parameters(), lr=1e-2, freeze_step=3, compress_momentum=compress)
     opt2.load_state_dict(ckpt["opt"])
     errors = [{k: e.clone() for k, e in u.errors.items()} for u in opt2.units]
     saved_errors = ckpt["opt"]["onebit"]["units"]
@@ -438,6 +438,16 @@ def test_another_ranks_errors_are_not_loaded_and_it_is_said(tmp_path, load_from)
                 assert torch.equal(e, torch.zeros_like(e) if other else kept[name]), name
         # Not the uninterrupted run, on either rank (rank 1's zero errors move rank 0 too).
         assert any(not torch.equal(a, b) for a, b in zip(uninterrupted, resumed, strict=True))
+
+
+def test_with_exact_averaging_any_ranks_state_resumes_exactly(tmp_path):
+    """compress_momentum=False keeps no error buffers: every rank's state is the same, so
+    another rank's resumes the uninterrupted run, and nothing is said."""
+    results = run_ranks(_resume_worker, 2, str(tmp_path), "other", False)
+    for uninterrupted, resumed, errors, _, said in results:
+        assert errors == [{}] and not [line for line in said if "error buffers" in line], said
+        for a, b in zip(uninterrupted, resumed, strict=True):
+            assert torch.equal(a, b)
 
 
 def _state_worker(rank, world):
