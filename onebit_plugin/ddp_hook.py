@@ -173,7 +173,10 @@ def onebit_hook(
         done.set_result(buffer)  # local gradients: OneBitAdam.step() folds and averages them
         return done
     started = time.perf_counter()
-    pairs = list(zip(bucket.parameters(), bucket.gradients(), strict=True))
+    # A parameter DDP still reduces but that was frozen when the variance froze is in no unit:
+    # nothing of it is averaged (OneBitAdam.step() refuses it should it be trainable again).
+    pairs = [(p, grad) for p, grad in zip(bucket.parameters(), bucket.gradients(), strict=True)
+             if opt.unit_of(p) is not None]
     last = bucket.is_last()
     deferred = state.deferred  # this iteration's set (the last bucket starts the next one's)
     waits = []

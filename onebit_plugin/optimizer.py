@@ -263,10 +263,11 @@ class OneBitAdam(Optimizer):
             self._build_units()
         return self._units or []
 
-    def unit_of(self, p: torch.Tensor) -> MomentumUnit:
-        """The momentum unit that holds ``p``'s momentum (compression stage)."""
+    def unit_of(self, p: torch.Tensor) -> MomentumUnit | None:
+        """The momentum unit that holds ``p``'s momentum (compression stage); None for a
+        parameter in none (it was not trainable when the variance froze)."""
         self.units  # noqa: B018 - built on first use
-        return self._unit_of[p]
+        return self._unit_of.get(p)
 
     @property
     def bytes_sent(self) -> int:
@@ -490,19 +491,31 @@ class OneBitAdam(Optimizer):
     def _check_trainable(self, trainable: list[torch.Tensor]) -> None:
         """The same decision on every rank (the same parameters and flags everywhere), taken
         before any collective: no rank diverges or waits on a peer that raised."""
-        new = set(trainable) - (self._hook_params if self._hook_params is not None
-                                else set(self._unit_of) if self._units else set(trainable))
-        if new:
+        trainable_set = set(trainable)
+        outside_ddp = trainable_set - self._hook_params if self._hook_params is not None \
+            else set()
+        if outside_ddp:
             raise ValueError(
-                f"onebit: {len(new)} trainable parameter(s) are not "
-                + ("in the DDP model's reducer (frozen when DDP wrapped the model, unfrozen "
-                   "since?): DDP would never average their gradients and the ranks would drift "
-                   "apart. Unfreeze them before wrapping the model in DDP (Lightning's "
-                   "BackboneFinetuning: use another strategy or train all parameters)"
-                   if self._hook_params is not None else
-                   "in the momentum units fixed at the freeze: the trainable parameters cannot "
-                   "change in the compression stage")
-            )
+                f"onebit: {self._name(outside_ddp)} not in the DDP model's reducer (frozen when "
+                "DDP wrapped the model, unfrozen since?): DDP would never average their "
+                "gradients and the ranks would drift apart. Unfreeze them before wrapping the "
+                "model in DDP (Lightning's BackboneFinetuning: use another strategy or train "
+                "all parameters)")
+        outside_units = trainable_set - set(self._unit_of) if self._units else set()
+        if outside_units:
+            raise ValueError(
+                f"onebit: {self._name(outside_units)} in no momentum unit: not trainable when "
+                f"the variance froze after step {self.switch_step}, and the compressed "
+                "momentum's layout is fixed then. Make them trainable before the freeze "
+                "(freeze_step) or keep them frozen for the rest of the run (a parameter "
+                "trainable at the freeze may be frozen and unfrozen again afterwards)")
+
+    def _name(self, params: set) -> str:
+        """``params`` as a message names them: their place in the param groups and shape."""
+        where = [f"group {g} #{i} {tuple(p.shape)}" for g, group in enumerate(self.param_groups)
+                 for i, p in enumerate(group["params"]) if p in params]
+        shown = ", ".join(where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
+        return f"{len(where)} trainable parameter(s) ({shown}) are"
 
     def _check_ranks_agree(self) -> None:
         """First step (and first after a resume): every rank must run the same configuration,

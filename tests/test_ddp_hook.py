@@ -333,6 +333,46 @@ def test_a_parameter_unfrozen_after_ddp_wrapped_the_model_is_an_error_on_every_r
     assert_ranks_identical([params for _, params in results], "parameters")
 
 
+def _frozen_at_the_freeze_worker(rank, world, use_ddp, views):
+    """A parameter trainable when DDP wrapped the model, frozen before the variance froze:
+    trained on into the compression stage, then unfrozen."""
+    model = _mlp()
+    net = DDP(model, bucket_cap_mb=0.001, find_unused_parameters=True,
+              gradient_as_bucket_view=views) if use_ddp else model
+    opt = OneBitAdam(net.parameters(), lr=1e-2, freeze_step=3)
+    if use_ddp:
+        register_onebit_hook(net, opt)
+    frozen = model[2].weight
+    for step in range(2):
+        _step(net, opt, rank, step)
+    frozen.requires_grad_(False)
+    before = frozen.detach().clone()
+    for step in range(2, 7):
+        _step(net, opt, rank, step)
+    assert opt.stage == "compression" and opt.unit_of(frozen) is None
+    unchanged = torch.equal(frozen, before)
+    frozen.requires_grad_(True)
+    try:
+        _step(net, opt, rank, 7)
+    except ValueError as exc:
+        return str(exc), unchanged, [p.detach() for p in model.parameters()]
+    return "no error", unchanged, None
+
+
+@pytest.mark.parametrize("use_ddp,views", [(True, False), (True, True), (False, False)])
+def test_a_parameter_frozen_at_the_freeze_is_left_out_and_unfreezing_it_is_an_error(use_ddp,
+                                                                                       views):
+    """The units hold what was trainable at the freeze: a parameter DDP still reduces but
+    frozen then is left out by the hook (it raised a KeyError inside backward), stays as it
+    is, and making it trainable again is a ValueError naming it, on every rank."""
+    results = run_ranks(_frozen_at_the_freeze_worker, 2, use_ddp, views, timeout=90)
+    for message, unchanged, _ in results:
+        assert unchanged
+        assert "1 trainable parameter(s) (group 0 #2 (32, 32)) are in no momentum unit: not " \
+            "trainable when the variance froze after step 3" in message, message
+    assert_ranks_identical([params for _, _, params in results], "parameters")
+
+
 def _mismatch_worker(rank, world):
     ddp = DDP(_mlp())
     opt = OneBitAdam(list(ddp.parameters())[2:], lr=1e-2, freeze_step=2)
