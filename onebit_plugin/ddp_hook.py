@@ -160,6 +160,7 @@ def onebit_hook(
     opt = state.optimizer
     buffer = bucket.buffer()
     if opt.stage == WARMUP:
+        opt.note_reduced(bucket.parameters())  # step() refuses gradients no bucket averaged
         # DDP's default allreduce_hook, numbers included: divide, then sum.
         buffer.div_(state.world_size)
         opt.count_uncompressed(buffer.nbytes)

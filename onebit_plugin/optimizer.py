@@ -221,6 +221,7 @@ class OneBitAdam(Optimizer):
         self._grad_flat: torch.Tensor | None = None
         self._settings_checked = False
         self._hook_params: set | None = None  # what the DDP hook averages, once registered
+        self._reduced: set = set()  # parameters whose bucket the hook averaged (warm-up)
         self._local_norms: dict = {}  # param: norm of the local gradient the hook folded
         self._sketches: dict = {}  # param: its local gradient's NormSketch, once clipping is on
         self._norm_sketch: NormSketch | None = None  # made at the first clip_grad_norm_
@@ -480,6 +481,8 @@ class OneBitAdam(Optimizer):
             if self.average_grads and self.world_size > 1 and not self._grads_averaged:
                 self._average_gradients()
             self._grads_averaged = False
+            if self._hook_params is not None:
+                self._check_reduced(trainable)
             self._warmup_step()
             if self._freeze_now(self.global_step - self.skipped_steps):  # applied steps
                 self._freeze()
@@ -516,6 +519,28 @@ class OneBitAdam(Optimizer):
                  for i, p in enumerate(group["params"]) if p in params]
         shown = ", ".join(where[:3]) + (f" and {len(where) - 3} more" if len(where) > 3 else "")
         return f"{len(where)} trainable parameter(s) ({shown}) are"
+
+    def note_reduced(self, params) -> None:
+        """The DDP hook averaged the warm-up gradients of ``params`` (one bucket's) in this
+        iteration."""
+        self._reduced.update(params)
+
+    def _check_reduced(self, trainable: list[torch.Tensor]) -> None:
+        """Under the DDP hook in warm-up, every gradient ``step()`` is about to use must have
+        been averaged by it: a bucket DDP never found ready (a parameter without a gradient
+        under ``find_unused_parameters=False``; every backward under ``no_sync()``) leaves
+        each rank's own gradients, and stepping on them would make the ranks drift apart (DDP
+        says so only at the next forward, after this step)."""
+        reduced, self._reduced = self._reduced, set()
+        missing = {p for p in trainable if p.grad is not None and p not in reduced}
+        if missing:
+            raise ValueError(
+                f"onebit: {self._name(missing)} not averaged by DDP in this iteration (their "
+                "bucket never became ready: a parameter that got no gradient while "
+                "find_unused_parameters=False, or backward only under no_sync()); stepping on "
+                "each rank's own gradients would make the ranks drift apart, so this step is "
+                "refused. Pass find_unused_parameters=True to DDP, or leave no_sync() for the "
+                "last micro-batch's backward")
 
     def _check_ranks_agree(self) -> None:
         """First step (and first after a resume): every rank must run the same configuration,

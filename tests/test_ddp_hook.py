@@ -373,6 +373,49 @@ def test_a_parameter_frozen_at_the_freeze_is_left_out_and_unfreezing_it_is_an_er
     assert_ranks_identical([params for _, _, params in results], "parameters")
 
 
+def _unreduced_worker(rank, world, how):
+    """Warm-up under the hook, a step whose gradients DDP did not average: a parameter frozen
+    with find_unused_parameters=False, or the last backward under no_sync()."""
+    model = _mlp()
+    ddp = DDP(model, bucket_cap_mb=0.001)
+    opt = OneBitAdam(ddp.parameters(), lr=1e-2, freeze_step=10)
+    register_onebit_hook(ddp, opt)
+    _step(ddp, opt, rank, 0)
+    x, y = _batch(rank, 1)
+    opt.zero_grad()
+    if how == "frozen":
+        model[2].weight.requires_grad_(False)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+    else:
+        with ddp.no_sync():
+            nn.functional.cross_entropy(ddp(x), y).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        opt.step()
+    except ValueError as exc:
+        return str(exc), all(torch.equal(a, b) for a, b in zip(before, model.parameters(),
+                                                                 strict=True)), before
+    return "no error", False, [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("how", ["frozen", "no_sync"])
+def test_a_warm_up_step_on_gradients_ddp_did_not_average_is_refused(how):
+    """Such a step would make the ranks drift apart (DDP's own error comes only at the next
+    forward): it is a ValueError on every rank, before any parameter moves."""
+    results = run_ranks(_unreduced_worker, 2, how, timeout=90)
+    for message, unmoved, _ in results:
+        assert "not averaged by DDP in this iteration" in message, message
+        assert unmoved
+    assert_ranks_identical([params for _, _, params in results], "parameters")
+    # DDP reduces its buckets in order: the frozen weight's bucket holds up its bias's and
+    # the first layer's (the frozen weight itself has no gradient to step on).
+    named = {"frozen": "3 trainable parameter(s) (group 0 #0 (32, 16), group 0 #1 (32,), "
+                       "group 0 #3 (32,)) are not averaged",
+             "no_sync": "8 trainable parameter(s) (group 0 #0 (32, 16), group 0 #1 (32,), "
+                        "group 0 #2 (32, 32) and 5 more) are not averaged"}[how]
+    assert named in results[0][0]
+
+
 def _mismatch_worker(rank, world):
     ddp = DDP(_mlp())
     opt = OneBitAdam(list(ddp.parameters())[2:], lr=1e-2, freeze_step=2)
