@@ -1069,7 +1069,7 @@ class OneBitAdam(Optimizer):
             # Whose errors they are is checked when the units take them (_build_units): the
             # integrations load rank 0's whole state first, then each rank's own errors.
             self._saved.update(units=onebit["units"], unit_cap_bytes=onebit["unit_cap_bytes"],
-                               rank=onebit.get("rank"))  # absent before 2026-12-02
+                               rank=onebit.get("rank"))  # absent in states saved before this field
         self._units, self._unit_of, self._averaged, self._handed = None, {}, {}, {}
         self._steps = self._rows = None
         self._settings_checked = False
