@@ -176,13 +176,13 @@ def onebit_hook(
     started = time.perf_counter()
     # A parameter DDP still reduces but that was frozen when the variance froze is in no unit:
     # nothing of it is averaged (OneBitAdam.step() refuses it should it be trainable again).
-    pairs = [(p, grad) for p, grad in zip(bucket.parameters(), bucket.gradients(), strict=True)
-             if opt.unit_of(p) is not None]
+    parts = [(p, grad, unit) for p, grad in zip(bucket.parameters(), bucket.gradients(),
+                                                 strict=True)
+             if (unit := opt.unit_of(p)) is not None]
     last = bucket.is_last()
     deferred = state.deferred  # this iteration's set (the last bucket starts the next one's)
     waits = []
-    for p, grad in pairs:
-        unit = opt.unit_of(p)
+    for p, grad, unit in parts:
         if unit not in state.to_defer:  # else step() folds it
             opt.note_local_gradient(p, grad)  # for clip_grad_norm_: p.grad will hold the average
         pending = state.arrived(unit, p, grad, last)
@@ -199,13 +199,12 @@ def onebit_hook(
         for each in fut.value():
             each.value()  # re-raises a failed allreduce here, where DDP waits
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for p, grad in pairs:
-                unit = opt.unit_of(p)
+            for p, grad, unit in parts:
                 if unit not in deferred:  # DDP hands the bucket's views to step()
                     grad.copy_(unit.view(p, unit.local))
         # After the copies above, which count as writes to the bucket's every view.
         if state.bucket_views:
-            for p, grad in pairs:
+            for p, grad, _ in parts:
                 opt.hand_over(p, grad)
         if state.record_timeline:
             state.timeline.append((bucket.index(), started, time.perf_counter()))
@@ -219,7 +218,7 @@ def onebit_hook(
         # Backward is over by then and DDP waits on these futures next, so nothing overlaps less.
         comm_executor(state.comm_group).submit(lambda: None).result()
         if state.bucket_views:  # the units completed with the last bucket
-            state.to_defer = {opt.unit_of(p) for p, _ in pairs}
+            state.to_defer = {unit for _, _, unit in parts}
             state.deferred = set()
     return torch.futures.collect_all(waits).then(finish)
 
