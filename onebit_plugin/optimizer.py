@@ -51,13 +51,19 @@ DEFAULT_UNIT_MB = 25.0  # DDP's default bucket size
 # every real gradient seen was above 1e-5 (a rare byte's embedding row; docs/design.md). Sent
 # as +-scale, such a coordinate moves by lr * scale / eps per step: 480 in 20 steps for GPT-2.
 NEGLIGIBLE_VARIANCE = 1e-6
+# Without DDP the warm-up allreduce goes in chunks of this many fp32 bytes, all started at once:
+# the copy of the next chunk's gradients and the division of the last one's means overlap the
+# transfer. In one piece, those two passes (8.5 ms for 6.5M values on one CPU thread) came on
+# top of it, and a warm-up step without DDP was 5% slower than under the DDP hook, whose
+# gradients are DDP's bucket views (benchmarks/cluster.py, 2026-12-01: 583 against 551 ms).
+WARMUP_CHUNK_BYTES = 4 * 2**20
 
 
 class OneBitAdam(Optimizer):
     """1-bit Adam (Tang et al., ICML 2021) as a ``torch.optim.Optimizer``.
 
     Use it like ``torch.optim.Adam`` in every process of a data-parallel job. Without DDP it
-    averages gradients itself during warm-up (one fp32 allreduce per step) and the momentum
+    averages gradients itself during warm-up (fp32 allreduces in 4 MiB chunks) and the momentum
     units afterwards; with DDP, :func:`onebit_plugin.register_onebit_hook` does both inside
     backward. In a single process it is Adam, then Adam with a frozen variance.
 
@@ -717,34 +723,43 @@ class OneBitAdam(Optimizer):
             self._init_state(p, m.view(p.shape))
 
     def _average_gradients(self) -> None:
-        """One fp32 allreduce of every trainable gradient (zeros where a rank has none) plus a
-        has-gradient flag per parameter, so that all ranks agree on which params step."""
+        """The mean of every trainable gradient over the ranks (zeros where a rank has none),
+        with a has-gradient flag per parameter so that all ranks agree on which params step:
+        fp32 allreduces of ``WARMUP_CHUNK_BYTES`` each, all started before the first is waited
+        on, so that copying the gradients in and dividing the means out overlap the transfer."""
         params = self._trainable()
-        total = sum(p.numel() for p in params)
-        if self._grad_flat is None or self._grad_flat.numel() != total + len(params):
-            self._grad_flat = torch.empty(
-                total + len(params), dtype=torch.float32, device=params[0].device
-            )
+        sizes = [p.numel() for p in params]
+        total, head = sum(sizes), len(params)
+        if self._grad_flat is None or self._grad_flat.numel() != head + total:
+            self._grad_flat = torch.empty(head + total, dtype=torch.float32,
+                                          device=params[0].device)
         flat = self._grad_flat
-        views = flat[:total].split([p.numel() for p in params])
-        for p, view in zip(params, views, strict=True):
-            view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
-        flat[total:] = torch.tensor([float(p.grad is not None) for p in params])
-        work = dist.all_reduce(flat, group=self.comm_group, async_op=True)
-        wait_collectives([work], self.comm_timeout, "the warm-up gradient allreduce",
-                         self.comm_group)
+        flat[:head] = torch.tensor([float(p.grad is not None) for p in params])
+        views = flat[head:].split(sizes)
+        chunks = _chunks(sizes, head, WARMUP_CHUNK_BYTES // 4)
+        works = []
+        for start, end, lo, hi in chunks:
+            for p, view in zip(params[lo:hi], views[lo:hi], strict=True):
+                view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
+            works.append(dist.all_reduce(flat[start:end], group=self.comm_group, async_op=True))
         world = self.world_size
-        self._warmup_sent += _ring_bytes(flat.nbytes, world)
+        present = None
+        for work, (start, end, lo, hi) in zip(works, chunks, strict=True):
+            wait_collectives([work], self.comm_timeout, "the warm-up gradient allreduce",
+                             self.comm_group)
+            self._warmup_sent += _ring_bytes(4 * (end - start), world)
+            if present is None:  # the flags travel in the first chunk
+                present = flat[:head].tolist()
+            for p, view, there in zip(params[lo:hi], views[lo:hi], present[lo:hi], strict=True):
+                if p.grad is not None and p.grad.dtype == torch.float32:
+                    # The mean straight into p.grad: one pass fewer over the gradients than
+                    # dividing in place and copying (the same division, the same bits).
+                    torch.div(view.view_as(p), world, out=p.grad)
+                elif p.grad is not None:
+                    p.grad.copy_(view.div_(world).view_as(p))
+                elif there:  # another rank had one
+                    p.grad = view.div_(world).view_as(p).to(p.dtype, copy=True)
         self._warmup_dense += _ring_bytes(4 * total, world)
-        for p, view, present in zip(params, views, flat[total:].tolist(), strict=True):
-            if p.grad is not None and p.grad.dtype == torch.float32:
-                # The mean straight into p.grad: one pass fewer over the gradients than
-                # dividing in place and copying (the same division, the same bits).
-                torch.div(view.view_as(p), world, out=p.grad)
-            elif p.grad is not None:
-                p.grad.copy_(view.div_(world).view_as(p))
-            elif present:  # another rank had one
-                p.grad = view.div_(world).view_as(p).to(p.dtype, copy=True)
 
     # --------------------------------------------------------------------------- compression
     def set_total_steps(self, total_steps: int) -> None:
@@ -1134,6 +1149,21 @@ def _new_group(group: dist.ProcessGroup | None, timeout: timedelta | None) -> di
         # aborted (wait_collectives).
         timeout = timeout + max(timeout, WATCHDOG_MARGIN)
     return dist.new_group(ranks=ranks, timeout=timeout)
+
+
+def _chunks(sizes: list[int], head: int, cap: int) -> list[tuple[int, int, int, int]]:
+    """``(start, end, lo, hi)`` per chunk of a flat buffer holding ``head`` values, then tensors
+    of ``sizes`` values back to back: values ``start:end``, tensors ``lo:hi``. Cut between
+    tensors after about ``cap`` values (a larger tensor is a chunk of its own); the first chunk
+    holds the head."""
+    out, start, end, lo = [], 0, head, 0
+    for i, n in enumerate(sizes):
+        if i > lo and end - start + n > cap:
+            out.append((start, end, lo, i))
+            start, lo = end, i
+        end += n
+    out.append((start, end, lo, len(sizes)))
+    return out
 
 
 def _ring_bytes(nbytes: int, world: int) -> int:

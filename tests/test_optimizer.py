@@ -87,6 +87,68 @@ def test_warmup_across_ranks_equals_adam_on_the_mean_gradient():
         assert torch.equal(ours, ref)
 
 
+def _chunked_warmup_worker(rank, world):
+    """The warm-up allreduce in chunks of 400 values (1,600 bytes): what each step sends and
+    waits for, and the parameters against torch Adam on the mean gradient (a rank without the
+    last bias's gradient counts as zeros, as in one piece)."""
+    import torch.distributed as dist
+
+    import onebit_plugin.optimizer as optimizer_module
+
+    optimizer_module.WARMUP_CHUNK_BYTES = 1600
+    events, reduce = [], dist.all_reduce
+
+    class Recorded:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self, *args):
+            events.append("wait")
+            return self.work.wait(*args)
+
+    def all_reduce(tensor, *args, **kwargs):
+        events.append(tensor.numel())
+        return Recorded(reduce(tensor, *args, **kwargs))
+
+    dist.all_reduce = all_reduce
+    model, ref_model = _model(), _model()
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=1000)
+    ref = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
+    steps = []
+    for step in range(6):
+        opt.zero_grad()
+        _loss(model, _batch(100 * step + rank)).backward()
+        if step % 2 and rank == 1:
+            model[-1].bias.grad = None
+        events.clear()
+        opt.step()
+        steps.append(list(events))
+        grads = []
+        for r in range(world):
+            ref.zero_grad()
+            _loss(ref_model, _batch(100 * step + r)).backward()
+            grads.append([p.grad.clone() for p in ref_model.parameters()])
+        if step % 2:
+            grads[1][-1].zero_()
+        for i, p in enumerate(ref_model.parameters()):
+            p.grad = (grads[0][i] + grads[1][i]) / world
+        ref.step()
+    dist.all_reduce = reduce
+    return steps, [p.detach() for p in model.parameters()], [p.detach() for p in
+                                                             ref_model.parameters()]
+
+
+def test_warmup_allreduce_goes_in_chunks_all_started_before_the_first_wait():
+    """5 flags + the embedding (256 values); the first linear (384) and its bias (16); the
+    second linear (512, over the cap: alone); its bias (32)."""
+    results = run_ranks(_chunked_warmup_worker, 2)
+    for steps, _, _ in results:
+        assert steps == [[261, 400, 512, 32, "wait", "wait", "wait", "wait"]] * 6
+    assert_ranks_identical([r[1] for r in results], "parameters")
+    for ours, ref in zip(*results[0][1:], strict=True):
+        assert torch.equal(ours, ref)
+
+
 # --------------------------------------------------------------------------- compression stage
 def _decayed(values, steps, lr=1e-2, wd=0.01):
     """Decoupled weight decay alone, step by step, rounded to the param dtype each step."""
