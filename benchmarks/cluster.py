@@ -17,8 +17,9 @@ configuration in turn:
 
 Without root (or without ``ip``) it says so and runs all ranks over loopback instead. Results:
 ``benchmarks/results/cluster_<workload>.json`` and ``.csv``, a markdown table on stdout, and
-plots ``docs/cluster_<workload>_loss.png`` / ``_bytes.png``. The namespaces are removed
-afterwards, also on failure.
+plots ``docs/cluster_<workload>_loss.png`` / ``_bytes.png`` (docs/benchmarks.md shows them; with
+``--tag`` they go beside the results instead). The namespaces are removed afterwards, also on
+failure.
 """
 
 from __future__ import annotations
@@ -217,7 +218,7 @@ def report(records: dict, args, network: str) -> str:
     return "\n".join(lines)
 
 
-def plot(records: dict, workload: str) -> list[Path]:
+def plot(records: dict, workload: str, out_dir: Path) -> list[Path]:
     try:
         import matplotlib
 
@@ -226,8 +227,7 @@ def plot(records: dict, workload: str) -> list[Path]:
     except ImportError:
         print("matplotlib is not installed: no plots (pip install -e '.[bench]')")
         return []
-    docs = ROOT / "docs"
-    docs.mkdir(exist_ok=True)
+    out_dir.mkdir(exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, r in records.items():
         ax.plot([t for _, t, _ in r["curve"]], [loss for _, _, loss in r["curve"]], label=name)
@@ -235,7 +235,7 @@ def plot(records: dict, workload: str) -> list[Path]:
     ax.set_ylabel("validation loss")
     ax.set_title(f"{workload}: validation loss against training time")
     ax.legend()
-    loss_path = docs / f"cluster_{workload}_loss.png"
+    loss_path = out_dir / f"cluster_{workload}_loss.png"
     fig.tight_layout()
     fig.savefig(loss_path, dpi=110)
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -248,7 +248,7 @@ def plot(records: dict, workload: str) -> list[Path]:
     ax.set_yscale("log")
     ax.set_title(f"{workload}: bytes on the wire per step")
     ax.legend()
-    bytes_path = docs / f"cluster_{workload}_bytes.png"
+    bytes_path = out_dir / f"cluster_{workload}_bytes.png"
     fig.tight_layout()
     fig.savefig(bytes_path, dpi=110)
     return [loss_path, bytes_path]
@@ -311,7 +311,8 @@ def main() -> None:
                 writer.writerow([name, stage, seconds, r["bytes_per_step"][stage],
                                  r["final_val_loss"]])
     for path in (out.with_suffix(".json"), out.with_suffix(".csv"),
-                 *plot(records, args.workload + args.tag)):
+                 *plot(records, args.workload + args.tag,
+                       results_dir if args.tag else ROOT / "docs")):
         print(f"wrote {path.relative_to(ROOT)}")
     for tmp in results_dir.glob(f"_{args.workload}_*.json"):
         tmp.unlink()

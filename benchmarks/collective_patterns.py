@@ -1,4 +1,5 @@
-"""Time the collectives of one compressed allreduce, in the two layouts this project has used.
+"""Time the collectives of one compressed allreduce, in the two layouts this project has used,
+and OneBitAdam's warm-up step without DDP with its gradient allreduce in chunks of several sizes.
 
     sudo .venv/bin/python benchmarks/collective_patterns.py [--hosts 4] [--rate 1gbit]
 
@@ -12,7 +13,11 @@ On the emulated hosts of benchmarks/cluster.py (network namespaces, each link li
               the server row to every rank (two collectives, the same bytes)
 
 and prints the median of ``--calls`` calls on rank 0. Only the collectives are timed (the rows'
-copies too); no compression runs. The namespaces are removed afterwards.
+copies too); no compression runs. Then a warm-up ``OneBitAdam.step()`` without DDP on the
+gradients of benchmarks/cluster.py's communication-bound GPT (6,458,112 values in 102 tensors),
+with ``onebit_plugin.optimizer.WARMUP_CHUNK_BYTES`` at 1 GiB (one allreduce, as before
+2026-12-01 21:00 UTC) and 1-16 MiB (4 MiB: the default), interleaved. The namespaces are
+removed afterwards.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ def rank_main(calls: int) -> None:
     results = {}
     for numel in SIZES:
         time_one_size(numel, calls, results)
+    time_warmup_chunks(calls, results)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps(results))
     dist.destroy_process_group()
@@ -91,6 +97,38 @@ def time_one_size(numel: int, calls: int, results: dict) -> None:
                 times.append(time.perf_counter() - start)
             results.setdefault(f"{numel:,} values, {name}", []).append(
                 sorted(times)[len(times) // 2] * 1e3)
+
+
+def time_warmup_chunks(calls: int, results: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import onebit_plugin.optimizer as optimizer
+    from onebit_plugin import OneBitAdam
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from cluster_worker import CharGPT
+
+    torch.manual_seed(dist.get_rank())
+    model = CharGPT(dim=256, layers=8, context=32)  # cluster.py's "comm" workload
+    opt = OneBitAdam(model.parameters(), lr=1e-6, freeze_step=10**9)
+    grads = [torch.randn_like(p) for p in model.parameters()]
+    caps = {"one allreduce": 2**30, **{f"{mib} MiB chunks": mib * 2**20 for mib in (1, 2, 4, 8,
+                                                                                    16)}}
+    for _ in range(2):
+        times = {name: [] for name in caps}
+        for _ in range(calls):  # the sizes interleaved, call by call
+            for name, cap in caps.items():
+                optimizer.WARMUP_CHUNK_BYTES = cap
+                for p, g in zip(model.parameters(), grads, strict=True):
+                    p.grad = g.clone()
+                dist.barrier()
+                start = time.perf_counter()
+                opt.step()
+                times[name].append(time.perf_counter() - start)
+        for name, values in times.items():
+            results.setdefault(f"warm-up step without DDP, {name}", []).append(
+                sorted(values)[len(values) // 2] * 1e3)
 
 
 def main() -> None:

@@ -53,9 +53,10 @@ DEFAULT_UNIT_MB = 25.0  # DDP's default bucket size
 NEGLIGIBLE_VARIANCE = 1e-6
 # Without DDP the warm-up allreduce goes in chunks of this many fp32 bytes, all started at once:
 # the copy of the next chunk's gradients and the division of the last one's means overlap the
-# transfer. In one piece, those two passes (8.5 ms for 6.5M values on one CPU thread) came on
-# top of it, and a warm-up step without DDP was 5% slower than under the DDP hook, whose
-# gradients are DDP's bucket views (benchmarks/cluster.py, 2026-12-01: 583 against 551 ms).
+# transfer; in one piece those two passes came on top of it. A warm-up step on the 6.5M values
+# of benchmarks/cluster.py's GPT, 4 emulated hosts at 1 Gbit/s: 422-430 ms in one allreduce,
+# 408 in 4 MiB chunks, 409-413 in 8, 417-420 in 2, 490-503 in 1 (why 1 MiB is slower was not
+# looked into); medians of 40 steps, benchmarks/collective_patterns.py, 2026-12-01.
 WARMUP_CHUNK_BYTES = 4 * 2**20
 
 
