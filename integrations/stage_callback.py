@@ -69,12 +69,7 @@ def make_callback_class(pl, module: str):
             if compressing and not self.switch_logged:
                 self.switch_logged = True
                 self.switch_step = opt.switch_step
-                how = ("exchanged as 1-bit signs" if opt.communicator.compressed
-                       else "averaged exactly in fp32 (compress_momentum=False or one process)")
-                rank_zero_info(
-                    f"onebit: Adam variance frozen after step {opt.switch_step}; momentum is "
-                    f"{how} from step {opt.switch_step + 1} on"
-                )
+                rank_zero_info(opt.switch_message())
                 for logger in trainer.loggers:
                     logger.log_metrics({"onebit/switch_step": float(opt.switch_step)}, step=step)
             if self.progress_bar:

@@ -551,7 +551,8 @@ class OneBitAdam(Optimizer):
 
     def _check_ranks_agree(self) -> None:
         """First step (and first after a resume): every rank must run the same configuration,
-        or the ranks would switch stages at different steps or lay the units out differently."""
+        or the ranks would switch stages at different steps or lay the units out differently,
+        and hold the same parameters."""
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if launched > 1 and not dist.is_initialized():
             raise RuntimeError(f"onebit: this process is one of WORLD_SIZE={launched} (torchrun?) "
@@ -573,25 +574,44 @@ class OneBitAdam(Optimizer):
             "trainable values": sum(p.numel() for p in params),
         }
         local = torch.tensor(list(config.values()), dtype=torch.int64)
-        # The gradients' fingerprint travels in the same gather (float64 bits as int64).
+        # The gradients' fingerprint (float64 bits as int64) and the parameters' travel in the
+        # same gather.
         fingerprint = self._grad_fingerprint(params).view(torch.int64)
-        local = torch.cat([local, fingerprint.to(local.device)])
-        if params and params[0].is_cuda:  # NCCL gathers device tensors
-            local = local.to(params[0].device)
-        world = self.world_size
-        gathered = [torch.empty_like(local) for _ in range(world)]
-        work = dist.all_gather(gathered, local, group=self.comm_group, async_op=True)
-        wait_collectives([work], self.comm_timeout, "the settings check", self.comm_group)
-        prints = {tuple(g[len(config):].tolist()) for g in gathered}
+        weights = _param_fingerprints(params)
+        digest = (weights * torch.arange(1, len(params) + 1)).sum().reshape(1)  # int64, wraps
+        gathered = self._gather(torch.cat([local, fingerprint, digest]), "the settings check")
+        prints = {tuple(g[len(config):len(config) + 2].tolist()) for g in gathered}
         if len(prints) == 1 and fingerprint[1] != 0 and not self.averaged_elsewhere:
-            self._say_averaged_elsewhere(world)
+            self._say_averaged_elsewhere(self.world_size)
         for i, name in enumerate(config):
             values = [int(g[i]) for g in gathered]
             if len(set(values)) > 1:
                 raise ValueError(
-                    f"OneBitAdam's {name} differs between ranks: {values} (rank 0..{world - 1});"
-                    " every rank must use the same settings and parameters"
+                    f"OneBitAdam's {name} differs between ranks: {values} (rank "
+                    f"0..{self.world_size - 1}); every rank must use the same settings and "
+                    "parameters"
                 )
+        if len({int(g[-1]) for g in gathered}) > 1:  # as many parameters everywhere (above)
+            every = self._gather(weights, "the parameters check")
+            differ = {p for i, p in enumerate(params) if len({int(w[i]) for w in every}) > 1}
+            raise ValueError(
+                f"onebit: {self._name(differ)} not the same on every rank at step "
+                f"{self.global_step}: each rank would train a model of its own (without "
+                "DDP nothing makes them equal). Start every rank from the same weights: the "
+                "same torch.manual_seed before building the model, one checkpoint loaded by "
+                "every rank, or rank 0's broadcast (for p in model.parameters(): "
+                "torch.distributed.broadcast(p.data, src=0)), as DDP does when it wraps a model"
+            )
+
+    def _gather(self, local: torch.Tensor, what: str) -> list[torch.Tensor]:
+        """Every rank's ``local`` (int64, as long on every rank)."""
+        params = self._trainable()
+        if params and params[0].is_cuda:  # NCCL gathers device tensors
+            local = local.to(params[0].device)
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        work = dist.all_gather(gathered, local, group=self.comm_group, async_op=True)
+        wait_collectives([work], self.comm_timeout, what, self.comm_group)
+        return [g.cpu() for g in gathered]
 
     def _grad_fingerprint(self, params: list[torch.Tensor]) -> torch.Tensor:
         """Sum and sum of squares of this rank's gradients (float64, on the CPU), or zeros when
@@ -617,7 +637,8 @@ class OneBitAdam(Optimizer):
             "'onebit_adam'); Accelerate scripts and transformers.Trainer: launch with "
             "`onebit-run accelerate launch ...`; your own DDP model: "
             "onebit_plugin.register_onebit_hook(ddp_model, optimizer) before the first backward; "
-            "no DDP: pass the bare model to OneBitAdam. (If every rank trained on the same "
+            "no DDP: pass the bare model to OneBitAdam and drop your own gradient allreduce. "
+            "(If every rank trained on the same "
             "batch, give each rank its own data.)", world)
 
     def _hyper(self):
@@ -807,6 +828,18 @@ class OneBitAdam(Optimizer):
             # "step" to the GPU on resume, and reading it per step would then sync the host.
             state["frozen_step"] = max(float(state["step"]), 1.0)
         self.switch_step = self.global_step
+        if group_size_and_rank(self.process_group)[1] == 0:  # once per job, like the freeze
+            log.info("%s", self.switch_message())
+
+    def switch_message(self) -> str | None:
+        """The stage switch in one line, None in warm-up. Rank 0 logs it at INFO (logger
+        ``onebit_plugin``) when the variance freezes; the Lightning callback shows it too."""
+        if self.switch_step is None:
+            return None
+        how = ("exchanged as 1-bit signs" if self.compress_momentum and self.world_size > 1
+               else "averaged exactly in fp32 (compress_momentum=False or one process)")
+        return (f"onebit: Adam variance frozen after step {self.switch_step}; momentum is {how} "
+                f"from step {self.switch_step + 1} on")
 
     def _frozen_roots(self, params: list[torch.Tensor], beta2: dict) -> torch.Tensor:
         """The bias-corrected sqrt(v) of ``params``, frozen, in one flat fp32 buffer (the one
@@ -1165,6 +1198,16 @@ def _chunks(sizes: list[int], head: int, cap: int) -> list[tuple[int, int, int, 
         end += n
     out.append((start, end, lo, len(sizes)))
     return out
+
+
+def _param_fingerprints(params: list[torch.Tensor]) -> torch.Tensor:
+    """Per parameter, the sum of its values' bit patterns as integers (int64, wrapping), on the
+    CPU: equal on two ranks when the values are, whatever the order or the number of threads
+    that summed them (a float sum's rounding depends on both)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    sums = [p.detach().reshape(-1).view(ints.get(p.element_size(), torch.uint8))
+            .sum(dtype=torch.int64) for p in params]
+    return torch.stack(sums).cpu() if sums else torch.zeros(0, dtype=torch.int64)
 
 
 def _ring_bytes(nbytes: int, world: int) -> int:

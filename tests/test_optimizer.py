@@ -149,6 +149,39 @@ def test_warmup_allreduce_goes_in_chunks_all_started_before_the_first_wait():
         assert torch.equal(ours, ref)
 
 
+def _switch_log_worker(rank, world, compress):
+    import logging
+
+    records = []
+    handler = logging.Handler(level=logging.INFO)
+    handler.emit = lambda record: records.append((opt.global_step, record.getMessage()))
+    logger = logging.getLogger("onebit_plugin")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    model = _model()
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=3, compress_momentum=compress)
+    messages = []
+    for step in range(6):
+        opt.zero_grad()
+        _loss(model, _batch(100 * step + rank)).backward()
+        opt.step()
+        messages.append(opt.switch_message())
+    logger.removeHandler(handler)
+    return records, messages
+
+
+def test_the_stage_switch_is_logged_once_by_rank_zero_in_a_plain_loop():
+    """A torchrun loop without Lightning's callback: rank 0 logs the switch at INFO once, in
+    the step that froze the variance; ``switch_message()`` says it from then on."""
+    said = "onebit: Adam variance frozen after step 3; momentum is {} from step 4 on"
+    for compress, how in ((True, "exchanged as 1-bit signs"),
+                          (False, "averaged exactly in fp32 (compress_momentum=False or one "
+                                  "process)")):
+        (records0, messages), (records1, _) = run_ranks(_switch_log_worker, 2, compress)
+        assert records0 == [(3, said.format(how))] and records1 == []
+        assert messages == [None, None] + [said.format(how)] * 4
+
+
 # --------------------------------------------------------------------------- compression stage
 def _decayed(values, steps, lr=1e-2, wd=0.01):
     """Decoupled weight decay alone, step by step, rounded to the param dtype each step."""
