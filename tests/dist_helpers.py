@@ -37,12 +37,17 @@ def _worker(fn, rank, world_size, port, queue, args):
 
 
 def run_ranks(fn, world_size: int, *args, timeout: float = 180.0,
-              allow_missing: bool = False) -> list:
+              allow_missing: bool = False, start_method: str = "fork") -> list:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return their results
     in rank order. Fork start keeps each launch well under a second; a rank that raises fails
     the caller with that rank's traceback. With ``allow_missing`` a rank that exits without a
-    result (a fault test killing it) yields None instead of failing."""
-    ctx = mp.get_context("fork")
+    result (a fault test killing it) yields None instead of failing.
+
+    A rank that runs torch ops on more than one thread needs ``start_method="spawn"`` (a few
+    seconds more per launch): once the parent (the pytest worker) has run an OpenMP parallel
+    region, a forked child's own parallel region waits forever on the parent's thread pool,
+    which fork did not copy (libgomp is not fork-safe)."""
+    ctx = mp.get_context(start_method)
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [

@@ -65,7 +65,9 @@ def test_mismatched_freeze_step_between_ranks():
 def _weights_worker(rank, world, differ):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 2))
-    torch.set_num_threads(1 + rank)  # a float sum's rounding would depend on it: no false alarm
+    # A float sum's rounding would depend on the thread count: no false alarm. Two threads in a
+    # forked child hang once the parent has used OpenMP: the test starts these ranks by spawn.
+    torch.set_num_threads(1 + rank)
     if differ and rank == 1:
         with torch.no_grad():
             model[1].bias[0] = torch.nextafter(model[1].bias[0], torch.tensor(1.0))  # one ulp
@@ -84,12 +86,12 @@ def test_ranks_starting_from_different_weights_is_a_clear_error():
     """Without DDP nothing broadcasts the initial weights: ranks seeded differently trained
     models of their own, silently. One ulp in one bias is caught on every rank, by name, before
     any parameter moves; equal weights pass whatever each rank's thread count."""
-    for message, unmoved in run_ranks(_weights_worker, 2, True):
+    for message, unmoved in run_ranks(_weights_worker, 2, True, start_method="spawn"):
         assert message.startswith("onebit: 1 trainable parameter(s) (group 0 #3 (2,)) are not "
                                   "the same on every rank at step 1: each rank would train a "
                                   "model of its own"), message
         assert "torch.manual_seed" in message and "broadcast" in message and unmoved
-    assert run_ranks(_weights_worker, 2, False) == [("no error", None)] * 2
+    assert run_ranks(_weights_worker, 2, False, start_method="spawn") == [("no error", None)] * 2
 
 
 def _lockstep_worker(rank, world, perturb):
