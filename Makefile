@@ -37,11 +37,12 @@ TEST_WORKERS ?= 2
 test: lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10
 
-# Benchmarks (about 25 minutes on 2 cores): kernel throughput, the optimizer step against
+# Benchmarks (about an hour on 2 cores): kernel throughput, the optimizer step against
 # Adam's, the compressed allreduce's collectives, the emulated 4-host 1 Gbit/s cluster
 # (network namespaces: run as root; otherwise loopback, and it says so) for a
 # communication-bound and a compute-bound workload (three round-robin rounds: its differences
-# are within one run's drift), and the accuracy ablations.
+# are within one run's drift), the same paths' steps interleaved step by step in one job (what
+# tells a few per cent apart here), and the accuracy ablations.
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[dev,bench]"
 	$(PY) benchmarks/compression_throughput.py
@@ -49,6 +50,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/collective_patterns.py
 	$(PY) benchmarks/cluster.py --workload comm
 	$(PY) benchmarks/cluster.py --workload compute --repeats 3
+	$(PY) benchmarks/paired_steps.py --workload comm
+	$(PY) benchmarks/paired_steps.py --workload compute
 	benchmarks/accuracy.sh
 
 # Accuracy against bytes (about 25 minutes on 2 cores): Adam, 1-bit Adam (fixed freeze and

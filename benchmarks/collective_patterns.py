@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -109,9 +107,10 @@ def time_warmup_chunks(calls: int, results: dict) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from cluster_worker import CharGPT
 
-    torch.manual_seed(dist.get_rank())
+    torch.manual_seed(0)  # the same weights on every rank (OneBitAdam checks it at the first step)
     model = CharGPT(dim=256, layers=8, context=32)  # cluster.py's "comm" workload
     opt = OneBitAdam(model.parameters(), lr=1e-6, freeze_step=10**9)
+    torch.manual_seed(1 + dist.get_rank())  # and each rank's own gradients
     grads = [torch.randn_like(p) for p in model.parameters()]
     caps = {"one allreduce": 2**30, **{f"{mib} MiB chunks": mib * 2**20 for mib in (1, 2, 4, 8,
                                                                                     16)}}
@@ -142,32 +141,13 @@ def main() -> None:
     args = p.parse_args()
     if args.rank:
         return rank_main(args.calls)
-    sys.path.insert(0, str(ROOT))
-    from tests import netns
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from emulated import run_ranks
 
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
     me = [str(Path(__file__).resolve()), "--rank", "--calls", str(args.calls)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    reason = netns.available()
-    if reason is not None:
-        print(f"no emulated hosts ({reason}): all ranks over loopback, unlimited")
-        procs = [subprocess.Popen([torchrun, "--nproc_per_node", str(args.hosts),
-                                   "--master_port", "29640", *me], env=env, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)]
-        outputs = [proc.communicate(timeout=600)[0] for proc in procs]
-    else:
-        with netns.emulated_hosts(args.hosts, rate=args.rate) as hosts:
-            procs = [subprocess.Popen(
-                host.command(["env", f"GLOO_SOCKET_IFNAME={host.ifname}", torchrun, "--nnodes",
-                              str(args.hosts), "--nproc_per_node", "1", "--node_rank", str(rank),
-                              "--master_addr", hosts[0].address, "--master_port", "29640", *me]),
-                env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-                for rank, host in enumerate(hosts)]
-            outputs = [proc.communicate(timeout=600)[0] for proc in procs]
-    if any(proc.returncode for proc in procs):
-        raise SystemExit("a rank failed:\n" + "\n".join(out[-2000:] for out in outputs))
+    network, outputs = run_ranks(me, args.hosts, args.rate, port=29640, timeout=600)
     line = next(x for out in outputs for x in out.splitlines() if x.startswith("RESULT "))
-    print(f"{args.hosts} hosts, {args.rate if reason is None else 'loopback'}; median ms of "
+    print(f"{args.hosts} hosts, {network}; median ms of "
           f"{args.calls} calls, round 1 / round 2 (the layouts interleaved):")
     for name, medians in json.loads(line[len("RESULT "):]).items():
         print(f"  {name}: " + " / ".join(f"{m:.2f}" for m in medians))
