@@ -29,7 +29,7 @@ from charlm import CharGPT, evaluate, load_corpus, loss_fn, sample_batch  # noqa
 from onebit_plugin import OneBitAdam, register_onebit_hook  # noqa: E402
 
 CONFIGS = ("adam", "fp16", "powersgd1", "powersgd4", "onebit_hook", "onebit_hook_sync",
-           "onebit_plain", "onebit_lightning")
+           "onebit_plain", "onebit_lightning", "lightning_adam")
 
 
 def tx_bytes(iface: str) -> int:
@@ -187,6 +187,8 @@ def run_lightning(args, model, train, rec) -> str:
             return loss_fn(self.model, x, y)
 
         def configure_optimizers(self):
+            if args.config == "lightning_adam":
+                return torch.optim.Adam(self.parameters(), lr=args.lr)
             return OneBitAdam(self.parameters(), lr=args.lr, freeze_step=args.freeze_step)
 
     class Timer(pl.Callback):
@@ -202,12 +204,15 @@ def run_lightning(args, model, train, rec) -> str:
 
     loader = torch.utils.data.DataLoader(range(args.steps * 2), batch_size=1)
     trainer = pl.Trainer(
-        strategy="onebit_adam", accelerator="cpu", devices=1,
+        strategy="ddp" if args.config == "lightning_adam" else "onebit_adam",
+        accelerator="cpu", devices=1,
         num_nodes=dist.get_world_size(), max_steps=args.steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[Timer()], use_distributed_sampler=False,
     )
     trainer.fit(Module(), loader)
+    if args.config == "lightning_adam":
+        return "Adam (Lightning strategy=\"ddp\")"
     return "OneBitAdam (Lightning strategy)"
 
 
@@ -260,7 +265,7 @@ def main() -> None:
     train, val = load_corpus()
     compute_s, allreduce_s = calibrate(model, train, args, torch.Generator().manual_seed(7))
     rec = Recorder(args.iface, val, args.context)
-    if args.config == "onebit_lightning":
+    if args.config in ("onebit_lightning", "lightning_adam"):
         optimizer = run_lightning(args, model, train, rec)
     else:
         optimizer = run_plain(args, model, train, rec)

@@ -4,7 +4,9 @@ link limited with ``tc tbf``), or all ranks over loopback without root, and retu
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,35 +14,52 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # so that the cleanup below runs
+
+
 def run_ranks(argv: list[str], hosts: int, rate: str, port: int,
               timeout: float = 900) -> tuple[str, list[str]]:
     """Run ``argv`` (a script and its arguments) as ``hosts`` torchrun ranks of one thread each.
     Returns a description of the network and every node's output; raises SystemExit with the
-    tails of the outputs when a rank fails. The namespaces are removed afterwards."""
+    tails of the outputs when a rank fails. Every process started, torchrun's workers included
+    (they run in sessions of their own), is tagged and killed if this function leaves early (a
+    timeout, Ctrl-C, SIGTERM), and the namespaces are removed, in every case
+    (tests/procs.py's ``owned_processes``, tests/netns.py)."""
     sys.path.insert(0, str(ROOT))
     from tests import netns
+    from tests.procs import owned_processes
 
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    reason = netns.available()
-    if reason is not None:
-        print(f"no emulated hosts ({reason}): all ranks over loopback, unlimited")
-        procs = [subprocess.Popen([torchrun, "--nproc_per_node", str(hosts), "--master_port",
-                                   str(port), *argv], env=env, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT)]
-        outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
-        network = "loopback (no bandwidth limit: not root)"
-    else:
-        with netns.emulated_hosts(hosts, rate=rate) as emulated:
-            procs = [subprocess.Popen(
-                host.command(["env", f"GLOO_SOCKET_IFNAME={host.ifname}", torchrun, "--nnodes",
-                              str(hosts), "--nproc_per_node", "1", "--node_rank", str(rank),
-                              "--master_addr", emulated[0].address, "--master_port", str(port),
-                              *argv]),
-                env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-                for rank, host in enumerate(emulated)]
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        with contextlib.ExitStack() as stack:
+            reason = netns.available()
+            # Entered first, left last: the processes are killed before their namespaces go.
+            emulated = None if reason else stack.enter_context(
+                netns.emulated_hosts(hosts, rate=rate))
+            start = stack.enter_context(owned_processes())
+
+            def run(cmd):
+                return start(cmd, env=env, text=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT)
+
+            if emulated is None:
+                print(f"no emulated hosts ({reason}): all ranks over loopback, unlimited")
+                procs = [run([torchrun, "--nproc_per_node", str(hosts), "--master_port",
+                              str(port), *argv])]
+                network = "loopback (no bandwidth limit: not root)"
+            else:
+                procs = [run(host.command([
+                    "env", f"GLOO_SOCKET_IFNAME={host.ifname}", torchrun, "--nnodes",
+                    str(hosts), "--nproc_per_node", "1", "--node_rank", str(rank),
+                    "--master_addr", emulated[0].address, "--master_port", str(port),
+                    *argv])) for rank, host in enumerate(emulated)]
+                network = f"{rate} per host link (tc tbf)"
             outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
-        network = f"{rate} per host link (tc tbf)"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if any(proc.returncode for proc in procs):
         raise SystemExit("a rank failed:\n" + "\n".join(out[-2000:] for out in outputs))
     return network, outputs

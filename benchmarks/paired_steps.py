@@ -16,13 +16,16 @@ loopback without root) holds one copy of cluster.py's GPT per path, the same wei
     onebit_plain      OneBitAdam on plain torch.distributed, no DDP
 
 and each iteration takes one training step (zero_grad, forward, backward, step) of every path
-on the same batch, in an order that rotates by one each iteration (no path always runs after
-the same other), with a barrier before each step. Rank 0 times each step. The first
-``--freeze-step`` iterations are the warm-up, the rest the compression stage. For each stage
-and path: the median step, and the median and quartiles of the ratio of the step to Adam's in
-the same iteration; the first iteration of each stage (DDP's bucket rebuild, the freeze's unit
-build) is left out. The Lightning strategy runs the hook inside Lightning's loop and cannot be
-interleaved this way; cluster.py measures it.
+on the same batch, in an order drawn afresh each iteration (the same on every rank), with a
+barrier before each step. Rank 0 times each step (a rank late into a
+collective is waited for inside it). The first ``--freeze-step`` iterations are the warm-up,
+the rest the compression stage. For each stage and path: the median step, and the median and
+quartiles of the ratio of the step to Adam's in the same iteration, with an interval of that
+median (see ``median_interval``: within one job; jobs differ by more, so run it more than once);
+left out are the first two iterations (Adam's state made, DDP's buckets rebuilt) and the
+first of the compression stage (the units built). The Lightning strategy runs the hook inside
+Lightning's loop and cannot be interleaved this way; cluster.py measures it against
+``Trainer(strategy="ddp")`` with ``--configs adam,lightning_adam,onebit_lightning``.
 
 Results: a table on stdout and ``benchmarks/results/paired_<workload><tag>.json``.
 """
@@ -30,7 +33,9 @@ Results: a table on stdout and ``benchmarks/results/paired_<workload><tag>.json`
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -53,9 +58,14 @@ def quantile(values: list[float], q: float) -> float:
     return values[low] + (values[high] - values[low]) * (pos - low)
 
 
+MIN_ITERATIONS = 40  # per stage: below that the interval below is not a 95% one
+
+
 def median_interval(values: list[float]) -> tuple[float, float]:
-    """A distribution-free 95% confidence interval of the median: the order statistics
-    n/2 -+ 1.96 sqrt(n)/2 (the binomial's normal approximation)."""
+    """The order statistics n/2 -+ 1.96 sqrt(n)/2: a 95% interval of the median (the
+    binomial's normal approximation, close for n >= 40) if the iterations were independent.
+    They are not quite (the machine's speed drifts within a job too), so it says how well one
+    job pins its own median, not how far another job's may lie: compare jobs for that."""
     values = sorted(values)
     n = len(values)
     half = 0.98 * n ** 0.5
@@ -99,13 +109,27 @@ def rank_main(args) -> None:
     gen = torch.Generator().manual_seed(1000 + dist.get_rank())
     times: dict[str, list[float]] = {name: [] for name in args.paths}
     optimizer_s: dict[str, list[float]] = {name: [] for name in args.paths}  # of those, step()
+    # Of those, the interpreter's garbage collections: a collection runs in whichever step
+    # crosses its threshold, whoever made the garbage, so it is shown apart.
+    gc_s: dict[str, list[float]] = {name: [] for name in args.paths}
+    collecting = {"started": 0.0, "seconds": 0.0}
+
+    def on_gc(phase, info):
+        if phase == "start":
+            collecting["started"] = time.perf_counter()
+        else:
+            collecting["seconds"] += time.perf_counter() - collecting["started"]
+
+    gc.callbacks.append(on_gc)
     for it in range(args.iterations):
         x, y = sample_batch(train, shape["batch"], shape["context"], gen)
-        turn = it % len(args.paths)
-        order = args.paths[turn:] + args.paths[:turn]
+        # A fresh order each iteration, the same on every rank: no path keeps the same
+        # predecessor (a rotation would keep it in all but one of every len(paths) iterations).
+        order = random.Random(it).sample(args.paths, len(args.paths))
         for name in order:
             net, opt = paths[name]
             dist.barrier()
+            collecting["seconds"] = 0.0
             start = time.perf_counter()
             opt.zero_grad()
             loss_fn(net, x, y).backward()
@@ -113,19 +137,24 @@ def rank_main(args) -> None:
             opt.step()
             times[name].append(time.perf_counter() - start)
             optimizer_s[name].append(time.perf_counter() - backward_done)
+            gc_s[name].append(collecting["seconds"])
+    gc.callbacks.remove(on_gc)
     if dist.get_rank() == 0:
-        print("RESULT " + json.dumps({"step_s": times, "optimizer_step_s": optimizer_s}))
+        print("RESULT " + json.dumps({"step_s": times, "optimizer_step_s": optimizer_s,
+                                      "gc_s": gc_s}))
     dist.barrier()
     dist.destroy_process_group()
 
 
 def summarize(times: dict[str, list[float]], optimizer_s: dict[str, list[float]],
-              freeze_step: int) -> dict:
+              gc_s: dict[str, list[float]], freeze_step: int) -> dict:
     out = {}
-    stages = {"warmup": range(1, freeze_step),
+    # Left out: the first two iterations (the first makes Adam's state, DDP rebuilds its
+    # buckets in the second) and the first of the compression stage (the units are built).
+    stages = {"warmup": range(2, freeze_step),
               "compression": range(freeze_step + 1, len(times["adam"]))}
     for stage, index in stages.items():
-        if len(index) < 2:
+        if len(index) < MIN_ITERATIONS:
             continue
         base = [times["adam"][i] for i in index]
         out[stage] = {}
@@ -137,6 +166,7 @@ def summarize(times: dict[str, list[float]], optimizer_s: dict[str, list[float]]
                 "median_step_ms": quantile(mine, 0.5) * 1e3,
                 "median_optimizer_step_ms": quantile([optimizer_s[name][i] for i in index],
                                                      0.5) * 1e3,
+                "mean_gc_ms": sum(gc_s[name][i] for i in index) / len(index) * 1e3,
                 "ratio_to_adam_median": quantile(ratios, 0.5),
                 "ratio_to_adam_q1": quantile(ratios, 0.25),
                 "ratio_to_adam_q3": quantile(ratios, 0.75),
@@ -153,8 +183,7 @@ def main() -> None:
     p.add_argument("--rate", default="1gbit", help="tc tbf rate of each host's link")
     p.add_argument("--freeze-step", type=int, default=None,
                    help="warm-up iterations, each one step of every path (default: 150 for "
-                        "comm, 300 for compute: with the steps' spread here, about 1%% "
-                        "standard error of the median ratio)")
+                        "comm, 300 for compute)")
     p.add_argument("--compression-iterations", type=int, default=None,
                    help="iterations after the freeze (default: 50 for comm, 300 for compute)")
     p.add_argument("--paths", default=",".join(PATHS),
@@ -170,8 +199,15 @@ def main() -> None:
     args.iterations = args.freeze_step + args.compression_iterations
     args.paths = args.paths.split(",")
     unknown = set(args.paths) - set(PATHS) - set(DIAGNOSTIC)
-    if unknown or args.paths[0] != "adam":
-        p.error(f"--paths: adam first, then some of {PATHS[1:] + DIAGNOSTIC}; got {args.paths}")
+    if unknown or args.paths[0] != "adam" or len(set(args.paths)) != len(args.paths):
+        p.error(f"--paths: adam first, then some of {PATHS[1:] + DIAGNOSTIC}, each once; got "
+                f"{args.paths}")
+    if args.freeze_step < MIN_ITERATIONS + 2 or args.compression_iterations < MIN_ITERATIONS + 1:
+        p.error(f"--freeze-step must be at least {MIN_ITERATIONS + 2} and "
+                f"--compression-iterations at least {MIN_ITERATIONS + 1}: each stage's "
+                f"statistics need {MIN_ITERATIONS} iterations besides its first")
+    if args.hosts < 2:
+        p.error("--hosts must be at least 2")
     if args.rank:
         return rank_main(args)
     from emulated import run_ranks
@@ -183,17 +219,19 @@ def main() -> None:
     network, outputs = run_ranks(me, args.hosts, args.rate, port=29650, timeout=1800)
     line = next(x for out in outputs for x in out.splitlines() if x.startswith("RESULT "))
     measured = json.loads(line[len("RESULT "):])
-    summary = summarize(measured["step_s"], measured["optimizer_step_s"], args.freeze_step)
+    summary = summarize(measured["step_s"], measured["optimizer_step_s"], measured["gc_s"],
+                        args.freeze_step)
     lines = [f"workload `{args.workload}`, {args.hosts} hosts, {network}; {args.iterations} "
              f"iterations, warm-up {args.freeze_step}; every path one step per iteration, "
              "interleaved; rank 0", "",
-             "| stage | path | median step ms | of it optimizer.step() | step / Adam's in the "
-             "same iteration: median [95% interval of the median] (quartiles) | sum / Adam's "
-             "sum |", "|---|---|---|---|---|---|"]
+             "| stage | path | median step ms | of it optimizer.step() | of it garbage "
+             "collection (mean) | step / Adam's in the "
+             "same iteration: median [its 95% interval within this job] (quartiles) | sum / Adam's "
+             "sum |", "|---|---|---|---|---|---|---|"]
     for stage, rows in summary.items():
         for name, r in rows.items():
             lines.append(f"| {stage} | {name} | {r['median_step_ms']:.1f} | "
-                         f"{r['median_optimizer_step_ms']:.1f} | "
+                         f"{r['median_optimizer_step_ms']:.1f} | {r['mean_gc_ms']:.2f} | "
                          f"{r['ratio_to_adam_median']:.3f} "
                          f"[{r['ratio_to_adam_median_95ci'][0]:.3f}-"
                          f"{r['ratio_to_adam_median_95ci'][1]:.3f}] ({r['ratio_to_adam_q1']:.3f}-"
