@@ -46,8 +46,10 @@ from cluster import WORKLOADS  # noqa: E402 - cluster.py's two workloads, one de
 
 PATHS = ("adam", "onebit_hook", "onebit_hook_sync", "onebit_plain")
 # For taking a gap apart (--paths): DDP + Adam with the hook paths' gradient_as_bucket_view,
-# and with torch's own Python allreduce hook (a hook written in Python, as onebit's is).
-DIAGNOSTIC = ("adam_views", "adam_pyhook")
+# with torch's own Python allreduce hook (a hook written in Python, as onebit's is), and with
+# that hook on bucket views sending on a process group of its own (as onebit's warm-up does:
+# its group carries OneBitAdam's comm_timeout).
+DIAGNOSTIC = ("adam_views", "adam_pyhook", "adam_pyhook_group")
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -94,10 +96,12 @@ def rank_main(args) -> None:
         torch.manual_seed(0)
         model = CharGPT(dim=shape["dim"], layers=shape["layers"], context=shape["context"])
         if name.startswith("adam"):
-            net = DDP(model, gradient_as_bucket_view=name == "adam_views")
+            net = DDP(model, gradient_as_bucket_view=name in ("adam_views", "adam_pyhook_group"))
             opt = torch.optim.Adam(net.parameters(), lr=1e-3)
             if name == "adam_pyhook":
                 net.register_comm_hook(None, default_hooks.allreduce_hook)
+            elif name == "adam_pyhook_group":
+                net.register_comm_hook(dist.new_group(), default_hooks.allreduce_hook)
         elif name == "onebit_plain":
             net = model
             opt = OneBitAdam(net.parameters(), lr=1e-3, freeze_step=args.freeze_step)

@@ -650,18 +650,25 @@ class OneBitAdam(Optimizer):
             yield from ((p, hyper) for p in g["params"] if p.requires_grad)
 
     def _warmup_step(self) -> None:
+        stepped = [p for p in self._trainable() if p.grad is not None]
         # After averaging every rank holds the same gradients, hence the same decision.
-        if not all_finite([p.grad for p in self._trainable() if p.grad is not None]):
+        if not all_finite([p.grad for p in stepped]):
             return self._skip()
         self._skip_streak = 0
-        self._init_states([p for p in self._trainable()
-                           if p.grad is not None and not self.state[p]])
-        for p, hyper in self._hyper():
-            if p.grad is not None:
-                state = self.state[p] or self._init_state(p)
-                state["step"] += 1
-                adam_update_(p, p.grad, state["exp_avg"], state["exp_avg_sq"],
-                             state["step"].item(), master=self._master(p, state), **hyper)
+        self._init_states([p for p in stepped if not self.state[p]])
+        for g in self.param_groups:
+            params = [p for p in g["params"] if p.requires_grad and p.grad is not None]
+            if not params:
+                continue
+            states = [self.state[p] or self._init_state(p) for p in params]
+            counts = [state["step"] for state in states]
+            torch._foreach_add_(counts, 1.0)
+            adam_update_(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                         [s["exp_avg_sq"] for s in states], [c.item() for c in counts],
+                         lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
+                         weight_decay=g["weight_decay"], decoupled=g["decoupled_weight_decay"],
+                         masters=[self._master(p, s) for p, s in zip(params, states,
+                                                                     strict=True)])
 
     def _say_grad_changed(self) -> None:
         self._said_grad_changed = True

@@ -81,8 +81,8 @@ def _exact_reference(rank):
             if step <= FREEZE:
                 dist.all_reduce(grad)
                 grad.div_(world)
-                adam_update_(p.data, grad, m, v, step, lr=LR, beta1=0.9, beta2=0.999, eps=1e-8,
-                             weight_decay=0.01, decoupled=False)
+                adam_update_([p.data], [grad], [m], [v], [step], lr=LR, beta1=0.9, beta2=0.999,
+                             eps=1e-8, weight_decay=0.01, decoupled=False)
                 continue
             local = torch.empty_like(m)
             fold_gradient_(m, grad, p.data, beta1=0.9, weight_decay=0.01, decoupled=False,
