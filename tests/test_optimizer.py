@@ -29,12 +29,15 @@ def _loss(model, batch):
 
 
 # ------------------------------------------------------------------------------ warm-up == Adam
+@pytest.mark.parametrize("run_values", [1 << 22, 600, 300])  # runs of two tensors, of one
 @pytest.mark.parametrize(
     "weight_decay,decoupled,reference",
     [(0.0, False, torch.optim.Adam), (0.01, False, torch.optim.Adam),
      (0.01, True, torch.optim.AdamW)],
 )
-def test_warmup_equals_torch_adam_bitwise(weight_decay, decoupled, reference):
+def test_warmup_equals_torch_adam_bitwise(weight_decay, decoupled, reference, run_values,
+                                          monkeypatch):
+    monkeypatch.setattr("onebit_plugin.update.ADAM_RUN_VALUES", run_values)
     ours, theirs = _model(), _model()
     frozen = ours[2].bias
     frozen.requires_grad_(False)
