@@ -467,6 +467,13 @@ class OneBitAdam(Optimizer):
                 "layout was fixed when the variance froze"
             )
         super().add_param_group(param_group)
+        params = self.param_groups[-1]["params"]
+        if len(set(params)) != len(params):
+            # torch only warns; one parameter stepped twice per step is not Adam (its step
+            # count would advance twice), and a momentum unit would hold it twice.
+            self.param_groups.pop()
+            raise ValueError("onebit: a parameter appears more than once in one parameter "
+                             "group; pass each parameter once")
 
     # ----------------------------------------------------------------------------------- step
     @torch.no_grad()

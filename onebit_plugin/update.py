@@ -52,17 +52,19 @@ def adam_update_(
     per tensor: torch Adam's default on the CPU pays ~6 Python calls per parameter).
     ``masters``: fp32 master copies (or None) per parameter."""
     masters = masters or [None] * len(params)
-    p32 = [_fp32_param(p, m) for p, m in zip(params, masters, strict=True)]
-    g32 = [_fp32(g) for g in grads]
     step_sizes = [-(lr / (1 - beta1**step)) for step in steps]
     roots = [(1 - beta2**step) ** 0.5 for step in steps]
     start = 0
-    while start < len(p32):
-        end, values = start + 1, p32[start].numel()
-        while end < len(p32) and values + p32[end].numel() <= ADAM_RUN_VALUES:
-            values += p32[end].numel()
+    while start < len(params):
+        end, values = start + 1, params[start].numel()
+        while end < len(params) and values + params[end].numel() <= ADAM_RUN_VALUES:
+            values += params[end].numel()
             end += 1
-        p, g, m, v = p32[start:end], g32[start:end], exp_avgs[start:end], exp_avg_sqs[start:end]
+        # A bf16/fp16 parameter's fp32 copies are made per run too, not for the whole group.
+        run = params[start:end]
+        p = [_fp32_param(q, master) for q, master in zip(run, masters[start:end], strict=True)]
+        g = [_fp32(grad) for grad in grads[start:end]]
+        m, v = exp_avgs[start:end], exp_avg_sqs[start:end]
         if weight_decay != 0:
             if decoupled:
                 torch._foreach_mul_(p, 1 - lr * weight_decay)
@@ -75,9 +77,9 @@ def adam_update_(
         torch._foreach_div_(denoms, roots[start:end])
         torch._foreach_add_(denoms, eps)
         torch._foreach_addcdiv_(p, m, denoms, step_sizes[start:end])
+        for param, p32 in zip(run, p, strict=True):
+            _write_back(param, p32)
         start = end
-    for param, p in zip(params, p32, strict=True):
-        _write_back(param, p)
 
 
 def fold_gradient_(

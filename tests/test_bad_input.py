@@ -13,6 +13,17 @@ def test_empty_parameter_list():
         OneBitAdam([], freeze_step=5)
 
 
+@pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate")
+def test_a_parameter_twice_in_one_group():
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="a parameter appears more than once in one parameter"):
+        OneBitAdam([a, b, a], freeze_step=5)
+    opt = OneBitAdam([b], freeze_step=5)
+    with pytest.raises(ValueError, match="more than once"):
+        opt.add_param_group({"params": [a, a]})
+    assert len(opt.param_groups) == 1  # the refused group is not kept
+
+
 def test_parameters_on_mixed_devices():
     a = nn.Parameter(torch.zeros(2))
     b = nn.Parameter(torch.zeros(2, device="meta"))
