@@ -80,6 +80,7 @@ class OneBitHookState:
         "remaining", "pending",  # this iteration: gradients to come per unit, its pending average
         "grads",  # this iteration: the gradients in so far per unit
         "bucket_views", "deferred", "to_defer",  # units left to step(): this iteration, the next
+        "submitted",  # this iteration: a unit went to the background thread
         "record_timeline", "timeline",  # diagnostics
     )
 
@@ -105,6 +106,7 @@ class OneBitHookState:
         # (they completed with the last bucket in this one).
         self.deferred: set[MomentumUnit] = set()
         self.to_defer: set[MomentumUnit] = set()
+        self.submitted = False
         self.record_timeline = record_timeline
         self.timeline: list[tuple[int, float, float]] = []
 
@@ -139,12 +141,13 @@ class OneBitHookState:
 
             # The gradients are views of DDP's buckets, left alone until the futures complete.
             unit.submit(opt.communicator, grads).add_done_callback(done)
+            self.submitted = True
         return pending
 
     def __getstate__(self):
         state = {slot: getattr(self, slot) for slot in self.__slots__}
         state.update(process_group=None, comm_group=None, remaining={}, pending={}, grads={},
-                     deferred=set(), to_defer=set())
+                     deferred=set(), to_defer=set(), submitted=False)
         return state
 
     def __setstate__(self, state):
@@ -216,7 +219,13 @@ def onebit_hook(
         # buffer broadcast). Two NCCL communicators driven from two threads on one GPU may hang,
         # and their order must match on every rank: so every unit's average is finished first.
         # Backward is over by then and DDP waits on these futures next, so nothing overlaps less.
-        comm_executor(state.comm_group).submit(lambda: None).result()
+        # Only the hook sends on that thread between steps (step() waits for what it starts):
+        # when no unit went there in this iteration (all left to step(), as for a model of one
+        # bucket) there is nothing to wait for, and the hand-off to the thread and back, which
+        # on an oversubscribed CPU can wait for a time slice, is skipped.
+        if state.submitted:
+            comm_executor(state.comm_group).submit(lambda: None).result()
+        state.submitted = False
         if state.bucket_views:  # the units completed with the last bucket
             state.to_defer = {unit for _, _, unit in parts}
             state.deferred = set()

@@ -256,6 +256,34 @@ def test_the_last_buckets_hook_returns_after_every_unit_is_averaged():
         assert last_done == [True, True], last_done  # the two compression-stage backwards
 
 
+def _idle_drain_worker(rank, world):
+    import onebit_plugin.ddp_hook as hook_module
+
+    drains, real = [], hook_module.comm_executor
+    hook_module.comm_executor = lambda group: (drains.append(group), real(group))[1]
+    counts = {}
+    try:
+        for views in (True, False):
+            ddp = DDP(_mlp(), gradient_as_bucket_view=views)  # one bucket
+            opt = OneBitAdam(ddp.parameters(), lr=1e-2, freeze_step=1)
+            register_onebit_hook(ddp, opt)
+            drains.clear()
+            for step in range(4):  # three in the compression stage
+                _step(ddp, opt, rank, step)
+            counts[views] = len(drains)
+    finally:
+        hook_module.comm_executor = real
+    return counts
+
+
+def test_the_last_bucket_drains_only_when_a_unit_went_to_the_background():
+    """With bucket views the one bucket's units are left to step(): nothing went to the
+    background thread, so the last bucket's hook does not hand off to it; without views every
+    unit is averaged in backward and drained before DDP's own collectives."""
+    for counts in run_ranks(_idle_drain_worker, 2):
+        assert counts == {True: 0, False: 3}, counts
+
+
 def _pickle_worker(rank, world):
     ddp = DDP(_mlp())
     opt = OneBitAdam(ddp.parameters(), lr=1e-2, freeze_step=1)
