@@ -472,8 +472,12 @@ class OneBitAdam(Optimizer):
             # torch only warns; one parameter stepped twice per step is not Adam (its step
             # count would advance twice), and a momentum unit would hold it twice.
             self.param_groups.pop()
-            raise ValueError("onebit: a parameter appears more than once in one parameter "
-                             "group; pass each parameter once")
+            seen: set = set()
+            twice = next(i for i, p in enumerate(params) if p in seen or seen.add(p))
+            raise ValueError(
+                f"onebit: a parameter appears more than once in one parameter group (group "
+                f"{len(self.param_groups)}, again at #{twice}, shape "
+                f"{tuple(params[twice].shape)}); pass each parameter once")
 
     # ----------------------------------------------------------------------------------- step
     @torch.no_grad()

@@ -50,7 +50,13 @@ def adam_update_(
     the same operations in the same order as torch's single-tensor Adam, so fp32 results are
     bitwise equal; as foreach ops (one call per operation for a run of tensors instead of one
     per tensor: torch Adam's default on the CPU pays ~6 Python calls per parameter).
-    ``masters``: fp32 master copies (or None) per parameter."""
+    ``steps``: each parameter's step number as a float, counted from 1 and including this
+    step (the caller advances it, as torch's ``state["step"]``). ``masters``: fp32 master
+    copies (or None) per parameter."""
+    bad = [step for step in steps if not isinstance(step, (int, float)) or step < 1]
+    if bad:
+        raise ValueError(f"adam_update_: each step must be a number >= 1 (this step's count, "
+                         f"from 1; a tensor count: pass .item()), got {bad[0]!r}")
     masters = masters or [None] * len(params)
     step_sizes = [-(lr / (1 - beta1**step)) for step in steps]
     roots = [(1 - beta2**step) ** 0.5 for step in steps]

@@ -16,12 +16,24 @@ def test_empty_parameter_list():
 @pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate")
 def test_a_parameter_twice_in_one_group():
     a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(3))
-    with pytest.raises(ValueError, match="a parameter appears more than once in one parameter"):
+    with pytest.raises(ValueError, match=r"more than once in one parameter group \(group 0, "
+                                         r"again at #2, shape \(2,\)\)"):
         OneBitAdam([a, b, a], freeze_step=5)
     opt = OneBitAdam([b], freeze_step=5)
     with pytest.raises(ValueError, match="more than once"):
         opt.add_param_group({"params": [a, a]})
     assert len(opt.param_groups) == 1  # the refused group is not kept
+
+
+def test_adam_update_with_a_step_count_not_from_one():
+    from onebit_plugin import adam_update_
+
+    p, g, m, v = (torch.ones(3) for _ in range(4))
+    for step in (0.0, torch.tensor(1.0)):
+        with pytest.raises(ValueError, match="each step must be a number >= 1"):
+            adam_update_([p], [g], [m], [v], [step], lr=0.1, beta1=0.9, beta2=0.999, eps=1e-8,
+                         weight_decay=0.0, decoupled=False)
+    assert torch.equal(p, torch.ones(3)) and torch.equal(m, torch.ones(3))
 
 
 def test_parameters_on_mixed_devices():
