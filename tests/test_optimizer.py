@@ -29,7 +29,7 @@ def _loss(model, batch):
 
 
 # ------------------------------------------------------------------------------ warm-up == Adam
-@pytest.mark.parametrize("run_values", [1 << 22, 600, 300])  # runs of two tensors, of one
+@pytest.mark.parametrize("run_values", [1 << 22, 600, 300])  # a group per run, two, one
 @pytest.mark.parametrize(
     "weight_decay,decoupled,reference",
     [(0.0, False, torch.optim.Adam), (0.01, False, torch.optim.Adam),
