@@ -48,9 +48,10 @@ def _warmup_grads_worker(rank, world):
 
 
 def test_warmup_hook_gradients_equal_ddp_default():
+    """Bit for bit at 3 ranks, where x / 3 and x * (1 / 3) round differently."""
     for default, hooked in run_ranks(_warmup_grads_worker, 3):
         for a, b in zip(default, hooked, strict=True):
-            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-8)
+            assert torch.equal(b, a), (b - a).abs().max()
 
 
 def _paths_worker(rank, world, model_fn, overlap):
@@ -212,6 +213,72 @@ def test_compressed_allreduce_runs_inside_backward():
     last_called = max(called for last_step in last_steps for _, called, _ in last_step)
     for last_step in last_steps:
         assert min(done for _, _, done in last_step) < last_called, last_steps
+
+
+def _async_worker(rank, world):
+    import threading
+    import time
+
+    from onebit_plugin.ddp_hook import OneBitHookState, onebit_hook
+    from onebit_plugin.momentum import MomentumUnit
+
+    # Several buckets and units, no bucket views: every unit is averaged inside backward.
+    ddp = DDP(_mlp(depth=4), bucket_cap_mb=0.001)
+    opt = OneBitAdam(ddp.parameters(), lr=1e-2, freeze_step=1)
+    state = OneBitHookState(opt, ddp.process_group, True, False, ddp.bucket_bytes_cap)
+    submitted, returned, marked = [], {}, {}
+
+    def spy(state, bucket):
+        submitted.clear()
+        fut = onebit_hook(state, bucket)
+        now = time.perf_counter()
+        if not bucket.is_last():  # the last one waits for every unit by design (the drain)
+            returned.update((unit, now) for unit in submitted)
+        return fut
+
+    ddp.register_comm_hook(state, spy)
+    real_submit, real_reduce = MomentumUnit.submit, type(opt.communicator)._reduce
+    mark = opt.mark_averaged
+
+    def submit(self, comm, grads):
+        submitted.append(self)
+        return real_submit(self, comm, grads)
+
+    def slow(self, *args):
+        time.sleep(0.02)  # longer than a hook: an asynchronous average cannot beat its return
+        return real_reduce(self, *args)
+
+    def marking(unit, ok):
+        marked[unit] = (time.perf_counter(), threading.current_thread() is threading.main_thread())
+        mark(unit, ok)
+
+    opt.mark_averaged = marking
+    MomentumUnit.submit, type(opt.communicator)._reduce = submit, slow
+    try:
+        _step(ddp, opt, rank, 0)  # warm-up
+        returned.clear()
+        marked.clear()
+        x, y = _batch(rank, 1)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        backward_returned = time.perf_counter()
+        opt.step()
+    finally:
+        MomentumUnit.submit, type(opt.communicator)._reduce = real_submit, real_reduce
+    return [(marked[u][0] - returned[u], marked[u][1], backward_returned - marked[u][0])
+            for u in returned]
+
+
+def test_a_units_average_completes_after_its_hook_returned_and_before_backward_returns():
+    """The hook hands a completed unit to the background thread and returns: its average
+    completes after that hook returned (on the comm thread, not backward's), and before
+    backward returns (DDP waits on the futures). A communicator that averaged inline, blocking
+    backward, fails the first. (The last bucket's hook waits for every unit: left out.)"""
+    for timings in run_ranks(_async_worker, 2):
+        assert len(timings) >= 3, timings
+        for after_return, on_main_thread, before_backward_end in timings:
+            assert after_return > 0 and not on_main_thread, timings
+            assert before_backward_end > 0, timings
 
 
 def _drain_worker(rank, world):
