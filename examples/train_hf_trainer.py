@@ -47,8 +47,11 @@ class Windows(torch.utils.data.Dataset):
 class MarkWire(TrainerCallback):
     def __init__(self, log: WireLog):
         self.log = log
+        self.first_step = None  # the first optimizer step this run took (61 resumed from 60)
 
     def on_step_end(self, args, state, control, **kwargs):
+        if self.first_step is None:
+            self.first_step = state.global_step
         self.log.mark(state.global_step)
 
 
@@ -81,8 +84,9 @@ def main(argv=None) -> None:
         disable_tqdm=True, dataloader_num_workers=0,
     )
     wire = WireLog()
+    marker = MarkWire(wire)
     trainer = Trainer(
-        model=model, args=training, callbacks=[MarkWire(wire)],
+        model=model, args=training, callbacks=[marker],
         train_dataset=Windows(train, args.context, args.steps * args.batch * 8, args.seed),
         eval_dataset=Windows(val, args.context, 256, 1234),
     )
@@ -96,7 +100,7 @@ def main(argv=None) -> None:
                out / f"params.rank{rank}.pt")
     if rank == 0:
         summary = {"optimizer": type(opt).__name__, "val_loss": val_loss,
-                   "steps": trainer.state.global_step,
+                   "steps": trainer.state.global_step, "first_step": marker.first_step,
                    "switch_step": getattr(opt, "switch_step", None),
                    "world_size": trainer.args.world_size,
                    "largest_abs_param": max(q.abs().max().item()

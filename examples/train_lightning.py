@@ -53,6 +53,7 @@ class CharModule(pl.LightningModule):
         self.model = CharGPT(dim=args.dim, layers=args.layers, context=args.context)
         self.step_times = {"warmup": [], "compression": []}
         self._t0 = None
+        self.started_at = None  # the optimizer step the fit started from (a resume's)
 
     def training_step(self, batch, batch_idx):
         # The batch is a function of (seed, rank, step, micro-batch), not of the loader's
@@ -75,6 +76,9 @@ class CharModule(pl.LightningModule):
     def test_step(self, batch, batch_idx):
         self.log("test_loss", loss_fn(self.model, *batch), sync_dist=True)
 
+    def on_train_start(self):
+        self.started_at = self.trainer.global_step  # after a checkpoint was restored
+
     def on_train_batch_start(self, batch, batch_idx):
         self._t0 = time.perf_counter()
 
@@ -92,6 +96,7 @@ class CharModule(pl.LightningModule):
                     "stage": getattr(opt, "stage", None),
                     "switch_step": getattr(opt, "switch_step", None),
                     "global_step": self.trainer.global_step,
+                    "started_at": self.started_at,
                     "lockstep_checks": getattr(callback, "lockstep_checks", None)},
                    Path(self.args.out) / f"rank{self.global_rank}.pt")
 

@@ -62,20 +62,21 @@ def test_survivor_fails_clearly_and_exits_within_the_timeout(path, fault):
     assert "Resume from the last checkpoint" in output
 
 
-def _checkpointing_worker(rank, world, tmp, fault):
-    """Save every rank's state after each step; with ``fault``, rank 1 dies at FAULT_STEP."""
+def _checkpointing_worker(rank, world, tmp, run):
+    """Save every rank's state after each step. ``run``: "fault" (rank 1 dies at FAULT_STEP),
+    "resume" (the restarted job, from the last checkpoint) or "whole" (uninterrupted)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
     opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2, comm_timeout=TIMEOUT)
     start = 0
     path = f"{tmp}/rank{rank}.pt"
-    if not fault:  # the restarted job: resume from the last checkpoint
+    if run == "resume":
         ckpt = torch.load(path)
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
         start = ckpt["step"]
     for step in range(start, 8):
-        if fault and step == FAULT_STEP and rank == 1:
+        if run == "fault" and step == FAULT_STEP and rank == 1:
             os._exit(1)
         try:
             opt.zero_grad()
@@ -86,17 +87,24 @@ def _checkpointing_worker(rank, world, tmp, fault):
             return f"failed at step {step}: {type(exc).__name__}"
         torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1},
                    path)
-    return [p.detach() for p in model.parameters()]
+    return start, opt.global_step, [p.detach() for p in model.parameters()]
 
 
 def test_training_resumes_from_the_last_checkpoint_after_a_fault(tmp_path):
-    first = run_ranks(_checkpointing_worker, 2, str(tmp_path), True, timeout=60,
+    (tmp_path / "job").mkdir()
+    first = run_ranks(_checkpointing_worker, 2, str(tmp_path / "job"), "fault", timeout=60,
                       allow_missing=True)
     assert first == [f"failed at step {FAULT_STEP}: CommunicationError", None]
-    resumed = run_ranks(_checkpointing_worker, 2, str(tmp_path), False)
-    # Both ranks finish from their own checkpoints of step FAULT_STEP, in lockstep.
-    for a, b in zip(*resumed, strict=True):
-        assert torch.equal(a, b)
+    resumed = run_ranks(_checkpointing_worker, 2, str(tmp_path / "job"), "resume")
+    (tmp_path / "whole").mkdir()
+    whole = run_ranks(_checkpointing_worker, 2, str(tmp_path / "whole"), "whole")
+    # Both ranks resume from their own checkpoints of step FAULT_STEP and end bit for bit where
+    # the uninterrupted job ends (each rank's own error buffers came back).
+    for (start, steps, params), (_, whole_steps, whole_params) in zip(resumed, whole,
+                                                                      strict=True):
+        assert start == FAULT_STEP and steps == whole_steps == 8
+        for a, b in zip(params, whole_params, strict=True):
+            assert torch.equal(a, b)
 
 
 class _TimedOut:

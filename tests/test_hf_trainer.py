@@ -74,6 +74,10 @@ def test_trainer_under_onebit_run_compresses_and_resumes_bitwise(tmp_path):
     assert sorted(p.name for p in checkpoint.glob("onebit_rank*.pt")) == [
         "onebit_rank0.pt", "onebit_rank1.pt"]
     _launch(resumed, True, "--resume", str(checkpoint))
+    # Resumed at step 60, not run again from the start (the same seed would end on the same
+    # bits).
+    assert summary["first_step"] == 1
+    assert json.loads((resumed / "summary.json").read_text())["first_step"] == 61
     for a, b in zip(ranks, rank_params(resumed), strict=True):
         for x, y in zip(a, b, strict=True):
             assert torch.equal(x, y)

@@ -90,6 +90,10 @@ def test_resume_in_warm_up_continues_the_uninterrupted_run_bitwise(fp32_run, tmp
     log = _fit(tmp_path, "--steps", "30", "--precision", "32-true", "--accumulate", "2",
                "--clip", "1.0", "--resume", str(ckpt), "--check-lockstep", "1")
     uninterrupted, resumed = _ranks(out), _ranks(tmp_path)
+    # Resumed at step 5, not run again from 0 (the data and the initialisation are functions
+    # of the seed: a rerun ends on the same bits).
+    assert [r["started_at"] for r in uninterrupted] == [0, 0]
+    assert [r["started_at"] for r in resumed] == [resume_step, resume_step]
     assert_ranks_identical([r["params"] for r in resumed], "resumed parameters")
     assert resumed[0]["global_step"] == 30 and resumed[0]["switch_step"] == FREEZE
     # Every rank's own error buffers came back: the same trajectory, bit for bit.
@@ -258,6 +262,7 @@ def test_rank_zero_exits_when_its_peer_hangs_and_fit_resumes_from_last(fp32_run,
     assert "variance frozen after step" not in resumed_log
     uninterrupted, resumed = _ranks(fp32_run[0]), _ranks(tmp_path)
     assert resumed[0]["global_step"] == 30
+    assert [r["started_at"] for r in resumed] == [15, 15]  # last.ckpt: step 15
     for r in range(2):
         for a, b in zip(uninterrupted[r]["params"], resumed[r]["params"], strict=True):
             assert torch.equal(a, b)

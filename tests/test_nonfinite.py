@@ -115,16 +115,29 @@ def test_skipped_steps_are_said_each_time_and_a_streak_is_an_error(caplog):
         OneBitAdam(model.parameters(), freeze_step=2, max_skipped_steps=0)
 
 
-def test_a_parameter_without_gradients_in_warmup_stays_finite_after_the_freeze():
+def _late_gradients_worker(rank, world):
     torch.manual_seed(0)
-    used, unused = nn.Linear(8, 3), nn.Linear(8, 3)
-    opt = OneBitAdam([*used.parameters(), *unused.parameters()], lr=1e-2, freeze_step=2)
-    before = [p.detach().clone() for p in unused.parameters()]
-    for _ in range(5):
+    used, late = nn.Linear(8, 3), nn.Linear(8, 3)
+    opt = OneBitAdam([*used.parameters(), *late.parameters()], lr=1e-2, freeze_step=2)
+    before = [p.detach().clone() for p in late.parameters()]
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(6):
         opt.zero_grad()
-        used(torch.randn(4, 8)).square().mean().backward()
+        x = torch.randn(4, 8, generator=gen)
+        # "late" gets gradients only after the freeze: its frozen variance is 0.
+        loss = used(x).square().mean() + (late(x).square().mean() if step >= 2 else 0)
+        loss.backward()
         opt.step()
-    assert opt.stage == "compression"
-    for a, b in zip(before, unused.parameters(), strict=True):
-        assert torch.equal(a, b)  # v == 0: masked, no step (and no 0/0)
-    assert all(torch.isfinite(p).all() for p in used.parameters())
+    return (opt.stage, [p.detach() for p in late.parameters()], before,
+            [p.detach() for p in used.parameters()])
+
+
+def test_a_parameter_without_gradients_in_warmup_stays_finite_after_the_freeze():
+    """Its variance froze at 0: masked, it keeps a zero momentum and does not move, though it
+    gets gradients after the freeze and shares a compressed block with the used parameters
+    (unmasked, the 1-bit exchange would send it +-scale, and the update divide it by eps)."""
+    for stage, late, before, used in run_ranks(_late_gradients_worker, 2):
+        assert stage == "compression"
+        for a, b in zip(before, late, strict=True):
+            assert torch.equal(a, b)  # v == 0: masked, no step (and no 0/0)
+        assert all(torch.isfinite(p).all() for p in used)

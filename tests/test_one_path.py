@@ -193,18 +193,32 @@ def test_settings_are_checked_again_on_the_first_step_after_a_resume():
         assert "max_block differs between ranks: [2048, 1024]" in message
 
 
-@pytest.mark.parametrize("compress", [True, False])
-def test_units_survive_a_state_dict_round_trip_in_one_process(compress):
+def _round_trip_worker(rank, world, compress):
     net = Uneven()
     opt = OneBitAdam(net.parameters(), lr=LR, freeze_step=2, compress_momentum=compress,
                      bucket_cap_mb=CAP_MB)
-    _train(net, opt, 0, 4)
+    _train(net, opt, rank, 4)
     clone = OneBitAdam(net.parameters(), lr=LR, freeze_step=2, compress_momentum=compress,
                        bucket_cap_mb=CAP_MB)
     clone.load_state_dict(opt.state_dict())
-    assert [len(u.params) for u in clone.units] == [len(u.params) for u in opt.units]
-    for a, b in zip(opt.units, clone.units, strict=True):
-        assert torch.equal(a.momentum, b.momentum)
+    return [(len(a.params), len(b.params), torch.equal(a.momentum, b.momentum),
+             {k: e.clone() for k, e in a.errors.items()},
+             {k: e.clone() for k, e in b.errors.items()})
+            for a, b in zip(opt.units, clone.units, strict=True)]
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_units_survive_a_state_dict_round_trip(compress):
+    """Two ranks (one process always averages exactly): the loaded units hold the saved
+    momenta and this rank's worker and server errors (nonzero with the 1-bit exchange; none
+    with the exact one)."""
+    for units in run_ranks(_round_trip_worker, 2, compress):
+        assert len(units) >= 3
+        for saved_params, loaded_params, same_momentum, saved, loaded in units:
+            assert saved_params == loaded_params and same_momentum
+            assert sorted(saved) == sorted(loaded) == (["server", "worker"] if compress else [])
+            for name in saved:
+                assert saved[name].abs().sum() > 0 and torch.equal(saved[name], loaded[name])
 
 
 def test_loading_with_another_freeze_step_says_what_happens(caplog):

@@ -343,7 +343,8 @@ def test_state_dict_round_trip_continues_the_same_trajectory(save_at, tmp_path):
 def test_step_counters_are_never_moved_to_a_device_on_resume():
     """Lightning moves every optimizer state *tensor* except "step" to the GPU on resume
     (``_optimizer_to_device``); the frozen step is read on every step, so it is a number, also
-    when loaded from a checkpoint that held it as a tensor."""
+    when loaded from a checkpoint that held it as a tensor. The parameters loaded into live on
+    the meta device, so that a CPU-only machine sees where each state tensor went."""
     model = _model()
     opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
     for step in range(3):
@@ -354,11 +355,13 @@ def test_step_counters_are_never_moved_to_a_device_on_resume():
     assert all(type(s["frozen_step"]) is float for s in saved["state"].values())
     for s in saved["state"].values():  # the older format
         s["frozen_step"] = torch.tensor(s["frozen_step"])
-    opt2 = OneBitAdam(_model().parameters(), lr=1e-2, freeze_step=2)
+    opt2 = OneBitAdam(_model().to("meta").parameters(), lr=1e-2, freeze_step=2)
     opt2.load_state_dict(saved)
+    assert len(opt2.state) == 5
     for state in opt2.state.values():
         assert type(state["frozen_step"]) is float and state["frozen_step"] == 2.0
         assert state["step"].device.type == "cpu"
+        assert state["exp_avg"].device.type == "meta"  # moved to the parameter's device
 
 
 def test_step_counts_follow_each_parameter_in_the_compression_stage(tmp_path):
@@ -458,6 +461,39 @@ def test_two_rank_char_model_matches_adam():
     assert r["compression_stage_bytes"] <= 0.032 * r["compression_stage_dense_bytes"]
     # Whole run, 20% warm-up: 1 / (0.2 + 0.8 / 31.5) = 4.4x fewer bytes than Adam.
     assert r["dense_bytes"] / r["bytes_sent"] > 4.3
+
+
+def _running_means_worker(rank, world, checks):
+    """The same gradients (a fixed part per rank plus noise) through the 1-bit and the exact
+    momentum allreduce: the running mean of each one's averaged momentum at each check."""
+    n = 3000
+    shared = torch.randn(n, generator=torch.Generator().manual_seed(7))
+    own = torch.randn(n, generator=torch.Generator().manual_seed(100 + rank))
+    means = {}
+    for compress in (True, False):
+        p = nn.Parameter(torch.zeros(n))
+        opt = OneBitAdam([p], lr=1e-3, freeze_step=1, compress_momentum=compress)
+        total, means[compress] = torch.zeros(n), {}
+        for t in range(max(checks) + 1):
+            noise = torch.randn(n, generator=torch.Generator().manual_seed(1000 * t + rank))
+            p.grad = shared + own + 0.3 * noise
+            opt.step()
+            if t >= 1:  # the compression stage's momenta
+                total += opt.state[p]["exp_avg"]
+            if t in checks:
+                means[compress][t] = total / t
+    return [float((means[True][t] - means[False][t]).norm() / means[False][t].norm())
+            for t in checks]
+
+
+def test_error_feedback_makes_the_running_mean_track_the_exact_momentum():
+    """Error feedback sends over time what each compression left out: the running mean of the
+    1-bit averaged momentum approaches the exact allreduce's (the gap is the error buffers
+    over T: 1/T once they are steady). Without it the gap stays (the compressor's bias).
+    Measured (2026-12-02): 0.264 after 50 steps, 0.120 after 200 (0.45x); with the server
+    error zeroed before each server pass 0.586 and 0.452; with the worker's, 0.652 and 0.651."""
+    for early, late in run_ranks(_running_means_worker, 2, (50, 200)):
+        assert late < 0.6 * early and late < 0.2, (early, late)
 
 
 def test_copy_of_optimizer_pickles_without_process_group():

@@ -12,6 +12,7 @@ from onebit_plugin.integrations.rank_states import (
     own_rank_state,
     save_rank_states,
 )
+from tests.dist_helpers import run_ranks
 
 
 def _trained(steps: int) -> OneBitAdam:
@@ -60,3 +61,42 @@ def test_a_checkpoint_written_by_rank_zero_alone_is_refused_in_the_compression_s
     assert own_rank_state(both, 1, 2)["onebit"] == {"rank": 1}
     with pytest.raises(ValueError, match="written by 2 ranks and is loaded by 3"):
         own_rank_state(both, 0, 3)
+
+
+def _two_rank_round_trip_worker(rank, world, folder):
+    """Each rank saves its own file in the compression stage; a fresh optimizer of the same
+    checkpoint (its regular state loaded first, as the frameworks do) loads it back."""
+    def trained():
+        torch.manual_seed(0)
+        model = nn.Linear(64, 16)
+        opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+        for step in range(5):
+            opt.zero_grad()
+            gen = torch.Generator().manual_seed(10 * step + rank)
+            model(torch.randn(3, 64, generator=gen)).square().sum().backward()
+            opt.step()
+        return opt
+
+    saved = trained()
+    save_rank_states(folder, rank, [saved])
+    torch.distributed.barrier()
+    fresh = trained()
+    regular = saved.state_dict()
+    fresh.load_state_dict(dict(regular, onebit=dict(regular["onebit"], units=None)))
+    load_rank_states(folder, rank, world, [fresh])
+    fresh.units  # noqa: B018 - built (and the loaded errors taken) at the first use
+    return ([{k: e.clone() for k, e in u.errors.items()} for u in saved.units],
+            [{k: e.clone() for k, e in u.errors.items()} for u in fresh.units])
+
+
+def test_each_ranks_own_errors_come_back_from_its_file(tmp_path):
+    """Two ranks: every loaded worker and server error equals the one its own rank saved
+    (nonzero, and different from the other rank's)."""
+    results = run_ranks(_two_rank_round_trip_worker, 2, str(tmp_path))
+    for saved, loaded in results:
+        assert saved and all(e.abs().sum() > 0 for unit in saved for e in unit.values())
+        assert [sorted(u) for u in loaded] == [["server", "worker"]] * len(saved)
+        for a, b in zip(saved, loaded, strict=True):
+            for name in a:
+                assert torch.equal(a[name], b[name]), name
+    assert not torch.equal(results[0][0][0]["worker"], results[1][0][0]["worker"])
