@@ -22,10 +22,12 @@ BIN = Path(sys.executable).parent
 STEPS, FREEZE = 80, 20  # the freeze after the LR warm-up (10 steps), 25% of the run
 
 
-def _launch(out: Path, onebit: bool, *args: str) -> str:
-    cmd = [*accelerate_launch(BIN), str(SCRIPT), "--steps", str(STEPS), "--out", str(out), *args]
+def _launch(out: Path, onebit: bool, *args: str, steps: int = STEPS,
+            freeze: int | str = FREEZE) -> str:
+    cmd = [*accelerate_launch(BIN), str(SCRIPT), "--steps", str(steps), "--out", str(out),
+           *args]
     if onebit:
-        cmd = [str(BIN / "onebit-run"), "--freeze-step", str(FREEZE), *cmd]
+        cmd = [str(BIN / "onebit-run"), "--freeze-step", str(freeze), *cmd]
     env = {k: v for k, v in os.environ.items() if not k.startswith("ONEBIT_")}
     # Default settings. The Trainer clips at max_grad_norm=1.0 on every step of this run; since
     # that clipping reaches OneBitAdam.clip_grad_norm_ (2026-12-01) this 80-step run frozen at
@@ -81,6 +83,18 @@ def test_trainer_under_onebit_run_compresses_and_resumes_bitwise(tmp_path):
     for a, b in zip(ranks, rank_params(resumed), strict=True):
         for x, y in zip(a, b, strict=True):
             assert torch.equal(x, y)
+
+
+def test_freeze_step_auto_freezes_at_the_ceiling_of_a_real_trainer_run(tmp_path):
+    """`onebit-run --freeze-step auto` on an unmodified Trainer script: only the Trainer knows
+    the run's length (max_steps=20), and the variance freezes at its ceiling, 20% of it, on
+    both ranks alike (the first settledness check would come at step 16)."""
+    log = _launch(tmp_path, True, "--warmup-steps", "2", steps=20, freeze="auto")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["optimizer"] == "OneBitAdam" and summary["steps"] == 20
+    assert summary["switch_step"] == 4, log[-3000:]
+    assert "freeze_step='auto' froze the variance after step 4" in log, log[-3000:]
+    assert_ranks_identical(rank_params(tmp_path), "parameters")
 
 
 def test_the_trainers_max_steps_reaches_freeze_step_auto():

@@ -180,7 +180,7 @@ def _exact_lightning_worker(rank, world, compress):
 
     from onebit_plugin import OneBitAdam
     from onebit_plugin.integrations.lightning import OneBitAdamStrategy
-    from tests.test_one_path import FREEZE, LR, STEPS, Uneven, _batch, _exact_reference
+    from tests.test_one_path import FREEZE, LR, STEPS, Uneven, _batch, _exact_reference, _path
 
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world),
                       RANK=str(rank))
@@ -206,13 +206,18 @@ def _exact_lightning_worker(rank, world, compress):
     module = M()
     trainer.fit(module, data)
     return ([p.detach().clone() for p in module.net.parameters()], _exact_reference(rank),
-            len(trainer.optimizers[0].units))
+            len(trainer.optimizers[0].units), _path(rank, "plain", compress)["params"])
 
 
 @pytest.mark.parametrize("compress", [False, True])
-def test_lightning_compress_momentum_false_is_the_exact_allreduce(compress):
-    for lightning, exact, units in run_ranks(_exact_lightning_worker, 2, compress):
+def test_lightning_equals_the_plain_path_and_compress_momentum_false_is_exact(compress):
+    """The strategy (DDP, the hook, bucket views, Lightning's loop) ends on the bits of
+    OneBitAdam without DDP on the same data, with the 1-bit exchange and without; and with
+    compress_momentum=False on those of the exact-allreduce reference."""
+    for lightning, exact, units, plain in run_ranks(_exact_lightning_worker, 2, compress):
         assert units >= 3
+        for a, b in zip(lightning, plain, strict=True):
+            assert torch.equal(a, b)
         same = all(torch.equal(a, b) for a, b in zip(lightning, exact, strict=True))
         assert same != compress  # exact when asked; the 1-bit exchange is not
 
