@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 NPROC ?= 2
 DEMO_DIR ?= demo_out
 
-.PHONY: install demo test lint bench fidelity soak clean
+.PHONY: install demo test lint mutants bench fidelity soak clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,12 @@ lint: $(STAMP)
 TEST_WORKERS ?= 2
 test: lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10
+
+# Mutation check (not part of `make test`): each mutant of tests/mutants.py (a deliberate defect)
+# applied alone to a temporary copy of the tree, with the tests that must fail under it; the
+# tests run unmutated first. Prints the table; exits non-zero if any mutant survives.
+mutants: $(STAMP)
+	$(PY) tests/mutants.py
 
 # Benchmarks (about an hour on 2 cores): kernel throughput, the optimizer step against
 # Adam's, the compressed allreduce's collectives, the emulated 4-host 1 Gbit/s cluster

@@ -1,0 +1,392 @@
+"""``make mutants``: does each test fail when what it names breaks?
+
+Each mutant below is one deliberate defect (one or more text edits), applied alone to a
+temporary copy of the working tree, with the tests that must fail under it. The tests run
+unmutated first (they must pass there, or a "killed" would mean nothing), then once per mutant
+with ``pytest -x``; the table says, per mutant, killed or survived. Exit status 1 if any mutant
+survived, or if a test failed unmutated or could not run.
+
+    .venv/bin/python tests/mutants.py               # all of them (``make mutants``)
+    .venv/bin/python tests/mutants.py --list        # the list, without running
+    .venv/bin/python tests/mutants.py NAME [NAME..]  # some of them
+
+The list covers the findings of issue 27 (tests that stayed green with what they name broken)
+and at least one row of docs/guarantees.md each (the ``row`` field; the soak row is a benchmark,
+not a test). Keep it current as the code moves: a mutant whose text is no longer in its file
+is an error, not a pass.
+
+Every process a run starts carries ``ONEBIT_MUTANTS_RUN=<id>`` in its environment and is killed
+after each run (tests' own launchers put their workers in sessions of their own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_TAG = "ONEBIT_MUTANTS_RUN"
+TIMEOUT = 900  # seconds per pytest run; a mutant that hangs a test past it counts as killed
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    row: str  # the finding or docs/guarantees.md row it stands for
+    edits: tuple[tuple[str, str, str], ...]  # (path, old text, new text)
+    tests: tuple[str, ...]
+
+
+def _m(name, row, path, old, new, *tests):
+    return Mutant(name, row, ((path, old, new),), tests)
+
+
+OPT = "onebit_plugin/optimizer.py"
+HOOK = "onebit_plugin/ddp_hook.py"
+AR = "onebit_plugin/allreduce.py"
+UNIT = "onebit_plugin/momentum.py"
+
+MUTANTS = [
+    # ---------------------------------------------------------------- issue 27's findings
+    _m("hook-warmup-divides", "finding: the hook's warm-up is DDP's average bit for bit", HOOK,
+       "buffer.mul_(1.0 / state.world_size)", "buffer.div_(state.world_size)",
+       "tests/test_ddp_hook.py::test_warmup_hook_gradients_equal_ddp_default"),
+    _m("comm-inline", "finding: the hook overlaps, not blocks", AR,
+       "        comm_executor(self.group).submit(job)\n", "        job()\n",
+       "tests/test_ddp_hook.py::"
+       "test_a_units_average_completes_after_its_hook_returned_and_before_backward_returns"),
+    _m("no-server-error-feedback", "finding: error feedback (server side)", AR,
+       "            server_compress(w.recv_packed,",
+       "            errors[\"server\"].zero_()\n            server_compress(w.recv_packed,",
+       "tests/test_optimizer.py::"
+       "test_error_feedback_makes_the_running_mean_track_the_exact_momentum"),
+    _m("no-worker-error-feedback", "finding: error feedback (worker side)", AR,
+       "        worker_compress(tensor, errors[\"worker\"],",
+       "        errors[\"worker\"].zero_()\n        worker_compress(tensor, errors[\"worker\"],",
+       "tests/test_optimizer.py::"
+       "test_error_feedback_makes_the_running_mean_track_the_exact_momentum"),
+    _m("units-zeroed-errors", "finding: the units hand their own errors to every call", UNIT,
+       "return comm.reduce_(self.fold(grads), self.plan, self.errors, decode=decode)",
+       "return comm.reduce_(self.fold(grads), self.plan, self.plan.new_errors(), "
+       "decode=decode)",
+       "tests/test_optimizer.py::"
+       "test_error_feedback_makes_the_running_mean_track_the_exact_momentum"),
+    _m("lightning-resume-ignored", "finding: the Lightning warm-up resume is a resume",
+       "examples/train_lightning.py", "ckpt_path=args.resume)", "ckpt_path=None)",
+       "tests/test_lightning.py::test_resume_in_warm_up_continues_the_uninterrupted_run_bitwise"),
+    _m("trainer-resume-ignored", "finding: the Trainer's resume is a resume",
+       "examples/train_hf_trainer.py", "trainer.train(resume_from_checkpoint=args.resume)",
+       "trainer.train()",
+       "tests/test_hf_trainer.py::test_trainer_under_onebit_run_compresses_and_resumes_bitwise"),
+    _m("load-state-dict-loads-nothing", "finding: a resume after a fault loads the state", OPT,
+       "    def load_state_dict(self, state_dict: dict) -> None:\n",
+       "    def load_state_dict(self, state_dict: dict) -> None:\n        return\n",
+       "tests/test_faults.py::test_training_resumes_from_the_last_checkpoint_after_a_fault"),
+    _m("rank-files-load-nothing", "finding: the per-rank files' round trip",
+       "integrations/rank_states.py", "        optimizer.load_onebit_state_dict(state)\n",
+       "        pass\n",
+       "tests/test_rank_states.py::test_each_ranks_own_errors_come_back_from_its_file"),
+    _m("unit-loads-no-errors", "finding: the units' round trip; row: exact resume", UNIT,
+       "            e.copy_(state[name])\n", "            pass\n",
+       "tests/test_one_path.py::test_units_survive_a_state_dict_round_trip[True]",
+       "tests/test_rank_states.py::test_each_ranks_own_errors_come_back_from_its_file",
+       "tests/test_optimizer.py::test_resume_in_compression_stage_across_ranks"),
+    _m("step-counter-to-device", "finding: step counters stay on the CPU; row: GPU path", OPT,
+       'v.to(device="cpu" if k == "step" else p.device, copy=True))',
+       "v.to(device=p.device, copy=True))",
+       "tests/test_optimizer.py::test_step_counters_are_never_moved_to_a_device_on_resume"),
+    _m("zero-variance-not-masked", "finding: the mask, not only the 0/0; row: no silent stall",
+       OPT, "        if not self.mask_zero_variance:\n", "        if True:\n",
+       "tests/test_nonfinite.py::"
+       "test_a_parameter_without_gradients_in_warmup_stays_finite_after_the_freeze"),
+    _m("units-twice-ddps-bucket", "finding: the Lightning path equals the plain path", OPT,
+       "self._unit_cap_bytes = int(bucket_bytes)", "self._unit_cap_bytes = 2 * int(bucket_bytes)",
+       "tests/test_lightning.py::"
+       "test_lightning_equals_the_plain_path_and_compress_momentum_false_is_exact[True]"),
+    _m("trainer-length-not-handed", "finding: freeze_step='auto' through a real Trainer",
+       "integrations/transformers_trainer.py",
+       "                inner.set_total_steps(int(num_training_steps))\n",
+       "                pass\n",
+       "tests/test_hf_trainer.py::"
+       "test_freeze_step_auto_freezes_at_the_ceiling_of_a_real_trainer_run"),
+    # -------------------------------------------------------- docs/guarantees.md, row by row
+    _m("warmup-bias-correction", "row: warm-up is torch Adam bit for bit",
+       "onebit_plugin/update.py", "        torch._foreach_div_(denoms, roots[start:end])\n",
+       "        torch._foreach_mul_(denoms, [1 / r for r in roots[start:end]])\n",
+       "tests/test_optimizer.py::test_warmup_equals_torch_adam_bitwise"),
+    _m("lockstep-sees-nothing", "row: lockstep", "onebit_plugin/lockstep.py",
+       "        if torch.equal(other, gathered[0]):\n", "        if True:\n",
+       "tests/test_bad_input.py::test_check_lockstep_passes_and_catches_one_ulp"),
+    _m("resume-other-world-size", "row: another world size is a clear error", OPT,
+       'if onebit["switch_step"] is not None and saved_world != self.world_size:',
+       'if onebit["switch_step"] is not None and saved_world != self.world_size and False:',
+       "tests/test_optimizer.py::test_resuming_with_another_world_size_is_a_clear_error"),
+    _m("no-drain-before-ddp", "row: GPU path (the last bucket drains)", HOOK,
+       "        if state.submitted:\n", "        if False:\n",
+       "tests/test_ddp_hook.py::test_the_last_buckets_hook_returns_after_every_unit_is_averaged"),
+    _m("unbounded-steps", "row: bounded steps", "onebit_plugin/update.py",
+       "        if bounded:\n            # One pass per large tensor",
+       "        if False:\n            # One pass per large tensor",
+       "tests/test_bounded_steps.py::test_a_rarely_seen_coordinate_moves_at_most_lr_per_step"),
+    _m("auto-ceiling-25", "row: freeze_step='auto'", "onebit_plugin/freeze.py",
+       "CEILING = 0.20", "CEILING = 0.25",
+       "tests/test_auto_freeze.py::test_drifting_gradients_freeze_at_the_ceiling"),
+    _m("nonfinite-not-skipped", "row: a non-finite gradient skips the step everywhere", AR,
+       "        if not bool(torch.isfinite(w.all_scales).all()):\n            return False\n",
+       "        if False:\n            return False\n",
+       "tests/test_nonfinite.py::test_nonfinite_gradient_on_one_rank_skips_the_step_on_all"),
+    _m("no-own-group-timeout", "row: faults (processes end within comm_timeout)", OPT,
+       "    return dist.new_group(ranks=ranks, timeout=timeout)",
+       "    return dist.new_group(ranks=ranks)",
+       "tests/test_faults.py::test_survivor_fails_clearly_and_exits_within_the_timeout"
+       "[hang-optimizer-side]"),
+    _m("restart-from-oldest", "row: restart", "examples/train_torchrun.py",
+       'sorted(Path(folder).glob("step*"), reverse=True)', 'sorted(Path(folder).glob("step*"))',
+       "tests/test_restart.py::"
+       "test_killed_rank_restarts_and_ends_where_the_uninterrupted_run_ends"),
+    _m("lightning-every-rank-takes-rank0s-errors",
+       "row: restart after a cut link / Lightning fit(ckpt_path='last')",
+       "integrations/lightning_strategy.py",
+       "            states = [own_rank_state(state, self.global_rank, self.world_size)",
+       "            states = [own_rank_state(state, 0, self.world_size)",
+       "tests/test_lightning.py::"
+       "test_rank_zero_exits_when_its_peer_hangs_and_fit_resumes_from_last"),
+    _m("streak-one-late", "row: no silent stall", OPT,
+       "if self._skip_streak >= self.max_skipped_steps:",
+       "if self._skip_streak > self.max_skipped_steps:",
+       "tests/test_nonfinite.py::"
+       "test_skipped_steps_are_said_each_time_and_a_streak_is_an_error"),
+    _m("unfrozen-after-wrap-unseen", "row: a parameter unfrozen after DDP wrapped the model",
+       OPT, "        outside_ddp = trainable_set - self._hook_params",
+       "        outside_ddp = set() & trainable_set - self._hook_params",
+       "tests/test_ddp_hook.py::"
+       "test_a_parameter_unfrozen_after_ddp_wrapped_the_model_is_an_error_on_every_rank"
+       "[warmup]"),
+    _m("unaveraged-warmup-stepped", "row: a warm-up step on gradients DDP did not average",
+       OPT, "                self._check_reduced(trainable)\n",
+       "                self._reduced = set()\n",
+       "tests/test_ddp_hook.py::"
+       "test_a_warm_up_step_on_gradients_ddp_did_not_average_is_refused[frozen]"),
+    _m("unfrozen-after-freeze-unseen", "row: a parameter frozen at the freeze", OPT,
+       "        outside_units = trainable_set - set(self._unit_of) if self._units else set()",
+       "        outside_units = set()",
+       "tests/test_ddp_hook.py::"
+       "test_a_parameter_frozen_at_the_freeze_is_left_out_and_unfreezing_it_is_an_error"
+       "[False-False]"),
+    _m("other-ranks-errors-taken", "row: another rank's errors are not loaded", OPT,
+       "if errors and saved_by is not None and saved_by != rank:",
+       "if errors and saved_by is not None and saved_by != rank and False:",
+       "tests/test_optimizer.py::test_another_ranks_errors_are_not_loaded_and_it_is_said"),
+    _m("rank-file-of-another-checkpoint", "row: checkpoints (a foreign file is named)",
+       "integrations/rank_states.py",
+       "        if saved_at != (optimizer.global_step, optimizer.switch_step):",
+       "        if False:",
+       "tests/test_rank_states.py::test_round_trip_and_every_bad_file_names_itself"),
+    _m("owned-processes-not-killed", "row: tests own their processes", "tests/procs.py",
+       "        for pid in tagged(tag):\n", "        for pid in []:\n",
+       "tests/test_faults.py::test_survivor_fails_clearly_and_exits_within_the_timeout"
+       "[hang-ddp-hook]"),
+    _m("negative-lr-accepted", "row: bad input", OPT,
+       "if not isinstance(lr, float | int) or not lr >= 0:",
+       "if not isinstance(lr, float | int):",
+       "tests/test_optimizer.py::test_bad_hyperparameters_raise_value_error"),
+    _m("c-block-mean", "row: one reference, three backends (C)", "kernels/cpu_compress.c",
+       "float mean = tree_sum(terms, block, tile) / count;",
+       "float mean = tree_sum(terms, block, tile) * (1.0f / count);",
+       "tests/test_cpu_kernel.py::test_worker_pass_equals_the_reference"),
+    _m("triton-block-mean", "row: one reference, three backends (Triton)",
+       "kernels/sign_compress.py",
+       "scale = _tree_sum(tl.abs(c), BYTES, LEVELS) / count",
+       "scale = _tree_sum(tl.abs(c), BYTES, LEVELS) * (1.0 / count)",
+       "tests/test_kernels.py::test_worker_compress"),
+    _m("clip-coefficient-ignored", "row: clipping with Adam's meaning", OPT,
+       "        coef = self._clip_coef if self._clip_coef is not None and self._clip_coef < 1 "
+       "else None\n", "        coef = None\n",
+       "tests/test_clipping.py::test_single_process_clips_the_gradient_inside_the_momentum"),
+    _m("no-master-weights", "row: bf16 master weights", OPT,
+       "        if not self.master_weights or p.dtype == torch.float32:\n",
+       "        if True:\n",
+       "tests/test_master_weights.py::test_bf16_master_weights_follow_the_fp32_run_bitwise"),
+    _m("hook-copies-the-old-momentum", "row: one momentum path", HOOK,
+       "                    grad.copy_(unit.view(p, unit.local))",
+       "                    grad.copy_(unit.view(p))",
+       "tests/test_one_path.py::test_plain_and_hook_paths_are_bitwise_equal_over_several_units"),
+    _m("exact-is-1bit", "row: compress_momentum=False is the exact allreduce", OPT,
+       "            if self.compress_momentum and self.world_size > 1:",
+       "            if self.world_size > 1:",
+       "tests/test_one_path.py::"
+       "test_compress_momentum_false_is_the_exact_allreduce_on_every_path"),
+    _m("masked-errors-kept-on-load", "row: a changed mask clears masked errors", UNIT,
+       "            e.copy_(state[name])\n        self.plan.clear_masked_(self.errors)",
+       "            e.copy_(state[name])",
+       "tests/test_one_path.py::test_loading_under_a_changed_mask_clears_masked_errors"),
+    Mutant("settings-not-checked-after-resume",
+           "row: the settings check runs again after every load_state_dict",
+           ((OPT, "        self._steps = self._rows = None\n        self._handed = {}\n"
+                  "        self._settings_checked = False\n",
+             "        self._steps = self._rows = None\n        self._handed = {}\n"),
+            (OPT, "        self._steps = self._rows = None\n        self._settings_checked = False"
+                  "\n\n    def __getstate__",
+             "        self._steps = self._rows = None\n\n    def __getstate__")),
+           ("tests/test_one_path.py::"
+            "test_settings_are_checked_again_on_the_first_step_after_a_resume",)),
+    _m("strategy-class-not-importable", "row: every Lightning name fits (spawn pickles)",
+       "integrations/lightning_strategy.py",
+       '    OneBitAdamStrategy.__module__, OneBitAdamStrategy.__qualname__ = module, '
+       '"OneBitAdamStrategy"\n', "",
+       "tests/test_lightning.py::"
+       "test_spawn_and_fork_strategies_fit_on_two_processes[onebit_adam_spawn]"),
+    _m("callback-acts-per-micro-batch", "row: the callback acts once per optimizer step",
+       "integrations/stage_callback.py",
+       "            if opt is None or opt.global_step == self._last_step:\n",
+       "            if opt is None:\n",
+       "tests/test_lightning.py::"
+       "test_bf16_mixed_accumulation_clipping_lockstep_logged_once_per_optimizer_step"),
+    _m("accelerate-hook-never-paired", "row: reach (Accelerate under onebit-run)",
+       "integrations/accelerate_flag.py",
+       "        if self.onebit_hook_state is not None or not self._onebit_models \\\n",
+       "        if True or self.onebit_hook_state is not None or not self._onebit_models \\\n",
+       "tests/test_accelerate.py::test_unmodified_script_under_onebit_run[joint]"),
+    _m("averaged-elsewhere-unsaid", "row: never a silent full allreduce", OPT,
+       "        if len(prints) == 1 and fingerprint[1] != 0 and not self.averaged_elsewhere:",
+       "        if False:",
+       "tests/test_ddp_hook.py::"
+       "test_gradients_averaged_before_step_are_said_once_and_no_ratio_is_reported"
+       "[ddp-without-hook]"),
+    _m("key-bias-not-masked", "row: a gradient zero up to rounding is masked", OPT,
+       "NEGLIGIBLE_VARIANCE = 1e-6", "NEGLIGIBLE_VARIANCE = 1e-12",
+       "tests/test_optimizer.py::test_attention_key_bias_moves_no_more_than_under_adam"),
+]
+
+
+def _copy_tree(dest: Path) -> None:
+    """The working tree as git sees it (tracked and untracked, not ignored), and the package
+    layout the editable install maps: onebit_plugin.kernels and onebit_plugin.integrations."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                           check=True, capture_output=True).stdout.decode().split("\0")
+    for name in filter(None, files):
+        src = ROOT / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    for sub in ("kernels", "integrations"):
+        (dest / "onebit_plugin" / sub).symlink_to(dest / sub, target_is_directory=True)
+
+
+def _check(mutants: list[Mutant], tree: Path) -> None:
+    for m in mutants:
+        for path, old, _ in m.edits:
+            count = (tree / path).read_text().count(old)
+            if count != 1:
+                raise SystemExit(f"mutant {m.name}: its text occurs {count} times in {path} "
+                                 f"(expected once): update tests/mutants.py")
+
+
+def _kill_tagged(tag: str) -> None:
+    needle = f"{RUN_TAG}={tag}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    os.kill(int(entry), signal.SIGKILL)
+
+
+def _pytest(tree: Path, tests: list[str], extra: list[str]) -> tuple[int, float, str]:
+    tag = uuid.uuid4().hex
+    # No bytecode: a mutated file and its restored original may share a size and an mtime.
+    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1", **{RUN_TAG: tag})
+    env.pop("PYTEST_ADDOPTS", None)
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra, *tests]
+    started = time.monotonic()
+    proc = subprocess.Popen(argv, cwd=tree, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        output, code = f"timed out after {TIMEOUT} s", -1
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        _kill_tagged(tag)
+    return code, time.monotonic() - started, output
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("names", nargs="*", help="mutants to run (default: all)")
+    p.add_argument("--list", action="store_true", help="print the list and exit")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="skip the unmutated run of the tests (for iterating on one mutant)")
+    args = p.parse_args(argv)
+    known = {m.name: m for m in MUTANTS}
+    unknown = [n for n in args.names if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown mutants {unknown}; --list shows them")
+    mutants = [known[n] for n in args.names] if args.names else MUTANTS
+    if args.list:
+        _check(mutants, ROOT)
+        for m in mutants:
+            print(f"{m.name:42} {m.row}\n{'':42} must fail: {', '.join(m.tests)}")
+        return 0
+    failed = False
+    with tempfile.TemporaryDirectory(prefix="onebit-mutants-") as tmp:
+        tree = Path(tmp)
+        _copy_tree(tree)
+        _check(mutants, tree)
+        tests = sorted({t for m in mutants for t in m.tests})
+        if not args.no_baseline:
+            print(f"unmutated: {len(tests)} tests ...", flush=True)
+            code, seconds, output = _pytest(tree, tests, ["-n", "2", "--dist", "loadfile"])
+            if code != 0:
+                print(output[-6000:])
+                print(f"unmutated: the tests do not pass (pytest exit {code}); a mutant's "
+                      "failure would mean nothing")
+                return 1
+            print(f"unmutated: passed in {seconds:.0f} s", flush=True)
+        rows = []
+        for m in mutants:
+            originals = {}
+            for path, old, new in m.edits:
+                target = tree / path
+                originals.setdefault(target, target.read_text())
+                target.write_text(target.read_text().replace(old, new, 1))
+            try:
+                code, seconds, output = _pytest(tree, list(m.tests), ["-x"])
+            finally:
+                for target, text in originals.items():
+                    target.write_text(text)
+            # pytest exits 1 when a test failed; 2-5 mean it could not run them as asked.
+            verdict = ("killed" if code == 1 else "killed (timeout)" if code == -1
+                       else "survived" if code == 0 else f"error (pytest exit {code})")
+            if not verdict.startswith("killed"):
+                failed = True
+                print(output[-3000:])
+            rows.append((m.name, verdict, seconds, m.tests))
+            print(f"{m.name:42} {verdict:18} {seconds:6.0f} s", flush=True)
+    width = max(len(r[0]) for r in rows)
+    print(f"\n{'mutant':{width}}  {'result':18}  {'s':>5}  tests that must fail")
+    for name, verdict, seconds, tests in rows:
+        shown = ", ".join(t.split("::", 1)[1] if "::" in t else t for t in tests)
+        print(f"{name:{width}}  {verdict:18}  {seconds:5.0f}  {shown}")
+    killed = sum(r[1].startswith("killed") for r in rows)
+    print(f"\n{killed} of {len(rows)} mutants killed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
