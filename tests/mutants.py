@@ -113,6 +113,12 @@ MUTANTS = [
        "self._unit_cap_bytes = int(bucket_bytes)", "self._unit_cap_bytes = 2 * int(bucket_bytes)",
        "tests/test_lightning.py::"
        "test_lightning_equals_the_plain_path_and_compress_momentum_false_is_exact[True]"),
+    _m("fabric-clips-with-torch", "finding: the Fabric check runs the default settings",
+       "integrations/fabric_strategy.py",
+       "            if not isinstance(optimizer, OneBitAdam):\n"
+       "                return super().clip_gradients_norm(",
+       "            if True:\n                return super().clip_gradients_norm(",
+       "tests/test_fabric.py::test_fabric_with_default_settings_ends_on_the_plain_loops_bits"),
     _m("trainer-length-not-handed", "finding: freeze_step='auto' through a real Trainer",
        "integrations/transformers_trainer.py",
        "                inner.set_total_steps(int(num_training_steps))\n",

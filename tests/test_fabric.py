@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from onebit_plugin import OneBitAdam
 from tests.client_runs import median_bytes_per_step, rank_params
-from tests.dist_helpers import assert_ranks_identical
+from tests.dist_helpers import assert_ranks_identical, run_ranks
 from tests.procs import owned_processes
 
 pytest.importorskip("lightning.fabric")
@@ -40,11 +41,12 @@ def _fit(out: Path, *args: str) -> str:
 def test_fabric_strategy_compresses_and_resumes_bitwise(tmp_path):
     plain, onebit, resumed = tmp_path / "plain", tmp_path / "onebit", tmp_path / "resumed"
     _fit(plain, "--optimizer", "adamw")
-    # The unbounded update (--no-bound): this test is about Fabric's wiring, and its loss check
-    # below was set for that update. With the default bound this 30-step run frozen at step 10
-    # ends 3.1% above AdamW (+0.7% unbounded; 2026-12-01, clipping through
-    # OneBitAdam.clip_grad_norm_; +3.0% and +0.35% before): the cost docs/design.md, "Bounded
-    # steps", reports; benchmarks/fidelity.py measures the default over 3 workloads x 3 seeds.
+    # The unbounded update (--no-bound): its loss check below was set for that update; the
+    # default settings' Fabric wiring is checked bit for bit by the next test. With the
+    # default bound this 30-step run frozen at step 10 ends 3.1% above AdamW (+0.7% unbounded;
+    # 2026-12-01, clipping through OneBitAdam.clip_grad_norm_; +3.0% and +0.35% before): the
+    # cost docs/design.md, "Bounded steps", reports; benchmarks/fidelity.py measures the
+    # default over 3 workloads x 3 seeds.
     _fit(onebit, "--save-at", "20", "--no-bound")
     _fit(resumed, "--resume", str(onebit / "checkpoint.ckpt"), "--no-bound")
     summary = json.loads((onebit / "summary.json").read_text())
@@ -63,6 +65,40 @@ def test_fabric_strategy_compresses_and_resumes_bitwise(tmp_path):
     for a, b in zip(ranks, rank_params(resumed), strict=True):
         for x, y in zip(a, b, strict=True):
             assert torch.equal(x, y)
+
+
+def _plain_loop_worker(rank, world, steps, freeze, accumulate, clip):
+    """examples/train_fabric.py's loop and settings without Fabric and without DDP: OneBitAdam
+    averages by itself and clips through its own clip_grad_norm_."""
+    from examples.charlm import CharGPT, load_corpus, loss_fn, sample_batch
+
+    torch.manual_seed(0)
+    model = CharGPT(context=64)
+    opt = OneBitAdam(model.parameters(), lr=3e-3, weight_decay=0.01,
+                     decoupled_weight_decay=True, freeze_step=freeze, total_steps=steps)
+    train, _ = load_corpus()
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(rank * 1_000_003 + step)
+        for _ in range(accumulate):
+            x, y = sample_batch(train, 16, 64, gen)
+            (loss_fn(model, x, y) / accumulate).backward()
+        opt.clip_grad_norm_(clip)
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_fabric_with_default_settings_ends_on_the_plain_loops_bits(tmp_path):
+    """Fabric(strategy="onebit_adam") with OneBitAdam's defaults (bounded update), accumulation
+    under no_backward_sync and fabric.clip_gradients ends on the bits of the same loop without
+    Fabric or DDP: the strategy, its hook and its clipping change nothing but the transport."""
+    _fit(tmp_path)
+    fabric = rank_params(tmp_path)
+    assert json.loads((tmp_path / "summary.json").read_text())["switch_step"] == 10
+    plain = run_ranks(_plain_loop_worker, 2, 30, 10, 2, 1.0)
+    for rank in range(2):
+        for a, b in zip(fabric[rank], plain[rank], strict=True):
+            assert torch.equal(a, b)
 
 
 def test_ddp_without_the_strategy_is_said_and_reports_no_ratio(tmp_path):
