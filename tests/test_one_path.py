@@ -167,30 +167,39 @@ def test_loading_under_a_changed_mask_clears_masked_errors(tmp_path):
         assert leaks and all(x == 0.0 for x in leaks), leaks
 
 
-def _resume_check_worker(rank, world):
+def _resume_check_worker(rank, world, fresh):
     model = nn.Linear(4, 2)
-    opt = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=2)
+    opt = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=2 if fresh else 10)
     _loss = lambda: model(torch.randn(3, 4)).sum()  # noqa: E731
-    for _ in range(3):
+    saved = {}
+    for step in range(1, 5):
         opt.zero_grad()
         _loss().backward()
         opt.step()
-    saved = opt.state_dict()
-    resumed = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=2,
+        saved[step] = opt.state_dict()
+    if fresh:  # a new optimizer whose settings differ between the ranks
+        opt = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=2,
                          max_block=2048 if rank == 0 else 1024)
-    resumed.load_state_dict(saved)
-    resumed.zero_grad()
+        opt.load_state_dict(saved[3])
+    else:  # the same optimizer, each rank loading another step's state
+        opt.load_state_dict(saved[4 if rank == 0 else 2])
+    opt.zero_grad()
     _loss().backward()
     try:
-        resumed.step()
+        opt.step()
     except ValueError as exc:
         return str(exc)
     return "no error"
 
 
-def test_settings_are_checked_again_on_the_first_step_after_a_resume():
-    for message in run_ranks(_resume_check_worker, 2):
-        assert "max_block differs between ranks: [2048, 1024]" in message
+@pytest.mark.parametrize("fresh", [True, False], ids=["new-optimizer", "same-optimizer"])
+def test_settings_are_checked_again_on_the_first_step_after_a_resume(fresh):
+    """Also when the state is loaded into the optimizer that already checked its first step:
+    ranks that resumed from different checkpoints are told so, not left to train apart."""
+    said = ("max_block differs between ranks: [2048, 1024]" if fresh
+            else "global_step differs between ranks: [5, 3]")
+    for message in run_ranks(_resume_check_worker, 2, fresh):
+        assert said in message, message
 
 
 def _round_trip_worker(rank, world, compress):
