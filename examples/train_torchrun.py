@@ -97,7 +97,7 @@ def resume(folder: str, world: int, rank: int, model, opt, gen) -> int:
                 if all((d / f"rank{r}.pt").exists() for r in range(world))]
     if not complete:
         return 0
-    state = torch.load(complete[0] / f"rank{rank}.pt", weights_only=False)
+    state = torch.load(complete[0] / f"rank{rank}.pt", weights_only=True)  # data, never code
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
     gen.set_state(state["gen"])

@@ -40,7 +40,10 @@ def load_rank_states(folder, rank: int, world: int, optimizers: list[OneBitAdam]
         )
     path = rank_file(folder, rank)
     try:
-        states = torch.load(path, weights_only=False)
+        # Data only: a checkpoint folder may come from anywhere, and a full unpickle would run
+        # whatever code a crafted file names. What save_rank_states writes is tensors, numbers,
+        # strings and plain containers, all of which weights_only reads.
+        states = torch.load(path, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same answer
         raise ValueError(f"{path}: cannot read this rank's OneBitAdam error buffers "
                          f"({type(exc).__name__}: {exc}); the file is missing, truncated or "

@@ -205,6 +205,10 @@ MUTANTS = [
        "        if saved_at != (optimizer.global_step, optimizer.switch_step):",
        "        if False:",
        "tests/test_rank_states.py::test_round_trip_and_every_bad_file_names_itself"),
+    _m("rank-file-unpickled-in-full", "row: checkpoints (a file from outside is data)",
+       "integrations/rank_states.py", "states = torch.load(path, weights_only=True)",
+       "states = torch.load(path, weights_only=False)",
+       "tests/test_rank_states.py::test_a_crafted_file_runs_no_code_and_is_named"),
     _m("owned-processes-not-killed", "row: tests own their processes", "tests/procs.py",
        "        for pid in tagged(tag):\n", "        for pid in []:\n",
        "tests/test_faults.py::test_survivor_fails_clearly_and_exits_within_the_timeout"

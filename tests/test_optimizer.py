@@ -643,9 +643,11 @@ def test_attention_key_bias_moves_no_more_than_under_adam():
     being moved by lr * scale / eps; the query bias still trains. The masked run is unbounded
     too: with the default step bound the key bias stays within Adam's movement even unmasked
     (make mutants: a mask that keeps every coordinate survived it), so the bound would hide
-    the mask."""
+    the mask. The default (bounded) run is held to the same."""
     adam_key, adam_query = run_ranks(_key_bias_worker, 2, "adam", True)[0]
     key, query = run_ranks(_key_bias_worker, 2, "onebit", True, False)[0]
+    default_key, default_query = run_ranks(_key_bias_worker, 2, "onebit", True)[0]
+    assert default_key <= adam_key and default_query > 0.1 * adam_query
     # What the mask prevents, without the step bound (which alone caps it at lr per step).
     unmasked_key, _ = run_ranks(_key_bias_worker, 2, "onebit", False, False)[0]
     print(f"key bias moved {key:.2e} (Adam {adam_key:.2e}, without the mask {unmasked_key:.2e});"

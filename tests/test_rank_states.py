@@ -2,6 +2,8 @@
 by Accelerate's save_state/load_state and by transformers.Trainer checkpoints under onebit-run):
 a missing, truncated, foreign or wrong-world file is a ValueError naming it."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -50,6 +52,29 @@ def test_round_trip_and_every_bad_file_names_itself(tmp_path):
                                          r"\(4, 2\), the optimizer state of this checkpoint at "
                                          r"\(5, 2\)"):
         load_rank_states(tmp_path / "a", 0, 2, [later])
+
+
+class _Touch:
+    """Unpickled in full, this creates a file: what a crafted checkpoint's code could do."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.path),))
+
+
+def test_a_crafted_file_runs_no_code_and_is_named(tmp_path):
+    saved = _trained(4)
+    for rank in (0, 1):
+        save_rank_states(tmp_path / "a", rank, [saved])
+    marker = tmp_path / "ran"
+    torch.save([_Touch(marker)], tmp_path / "a" / "onebit_rank1.pt")
+    with pytest.raises(ValueError, match=r"onebit_rank1.pt: cannot read this rank's"):
+        load_rank_states(tmp_path / "a", 1, 2, [_trained(4)])
+    assert not marker.exists()
+    torch.load(tmp_path / "a" / "onebit_rank1.pt", weights_only=False)  # the file's payload
+    assert marker.exists()
 
 
 def test_a_checkpoint_written_by_rank_zero_alone_is_refused_in_the_compression_stage():
