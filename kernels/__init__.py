@@ -1,19 +1,31 @@
 """Kernels of the compressed allreduce, installed as ``onebit_plugin.kernels``:
 
-* ``sign_compress``: the Triton kernels, for CUDA tensors (``worker_compress``,
-  ``server_compress`` and ``decompress`` here are its launchers; set ``TRITON_INTERPRET=1``
-  before they are first used to run them on the CPU, as the tests do);
-* ``cpu``: the fused CPU passes, a C library built on first use.
+* ``sign_compress``: the Triton kernels, for CUDA tensors (set ``TRITON_INTERPRET=1`` before
+  they are first used to run them on the CPU, as the tests do);
+* ``cpu``: the fused CPU passes, a C library built on first use;
+* :func:`block_tile`, the tile both use for a block's sum.
 
-Both are imported lazily: a CPU-only install needs neither Triton nor a GPU.
+Nothing here imports ``onebit_plugin``: the core reaches these through
+``onebit_plugin.dispatch`` alone, which imports them lazily (a CPU-only install needs neither
+Triton nor a GPU).
 """
 
-_TRITON_LAUNCHERS = ("decompress", "server_compress", "worker_compress")
+__all__ = ["block_tile"]
 
-__all__ = list(_TRITON_LAUNCHERS)
+
+def block_tile(block: int) -> int:
+    """Values a block is padded to for its sum: 8 times the next power of two of its bytes (at
+    least 2 bytes), the Triton kernels' tile and the order of every backend's sum."""
+    rows = block // 8
+    return 8 * max(2, 1 << (rows - 1).bit_length())
+
+
+_TRITON_LAUNCHERS = ("decompress", "server_compress", "worker_compress")
+__all__ += list(_TRITON_LAUNCHERS)
 
 
 def __getattr__(name):
+    """The Triton launchers, imported on first use (with Triton's absence said plainly)."""
     if name not in _TRITON_LAUNCHERS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     try:
@@ -21,6 +33,6 @@ def __getattr__(name):
     except ImportError as exc:  # CUDA builds of torch on Linux bring triton; CPU builds do not
         raise ImportError("onebit_plugin's CUDA path runs Triton kernels: pip install triton "
                           "(or onebit-plugin[cuda])") from exc
-    from onebit_plugin.kernels import sign_compress
+    from . import sign_compress
 
     return getattr(sign_compress, name)

@@ -40,7 +40,6 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-mat
 PARALLEL_FROM = 1 << 20
 
 _state: dict = {}
-_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
 def _compiler() -> str | None:
@@ -108,19 +107,16 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def library() -> ctypes.CDLL | None:
-    """The built library, or None (said once) when it cannot be had."""
+def library(off: str | None = None) -> ctypes.CDLL | None:
+    """The built library, or None (said once) when it cannot be had. ``off``, at the first
+    call: why it must not be used (the setting that turned it off; ``onebit_plugin.dispatch``
+    reads it)."""
     if "lib" in _state:
         return _state["lib"]
-    lib, why = None, None
-    setting = os.environ.get("ONEBIT_CPU_KERNEL", "1").strip().lower()
-    if setting not in _ON + _OFF:  # the same words as every ONEBIT_* flag
-        raise ValueError(f"ONEBIT_CPU_KERNEL must be 1 or 0 (true/false), got {setting!r}")
-    if setting in _OFF:
-        why = f"ONEBIT_CPU_KERNEL={os.environ['ONEBIT_CPU_KERNEL']!r}"
-    elif (cc := _compiler()) is None:
+    lib, why = None, off
+    if why is None and (cc := _compiler()) is None:
         why = "no C compiler found ($CC, cc, gcc)"
-    else:
+    elif why is None:
         try:
             lib = _bind(ctypes.CDLL(str(_build(cc))))
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
@@ -154,7 +150,7 @@ def _ptr(t: torch.Tensor) -> int:
 
 def worker_compress(x, error, mask, layout, packed, scales, tile: int, fold=None) -> None:
     """The worker pass; ``x`` fp32 or bf16, contiguous, on the CPU; or, with ``fold`` (the
-    momentum of a unit, fp32, and ``onebit_plugin.update.Fold.cpu_table()``), the fold of the
+    momentum of a unit, fp32, and ``onebit_plugin.deferred.Fold.cpu_table()``), the fold of the
     unit's gradients, computed inside the pass (``x`` unused)."""
     common = (_ptr(error), _ptr(mask.keep), _ptr(mask.counts), _ptr(packed), _ptr(scales),
               layout.num_blocks, layout.block, tile, int(layout.scale == "rms"),
@@ -191,7 +187,7 @@ def decompress(packed, scales, mask, layout, out) -> None:
 
 
 def decode_range(encoded, out) -> None:
-    """Decode ``encoded`` (``onebit_plugin.update.Encoded``) into ``out`` (fp32, contiguous,
+    """Decode ``encoded`` (``onebit_plugin.deferred.Encoded``) into ``out`` (fp32, contiguous,
     its size)."""
     library().onebit_decode_range(_ptr(encoded.packed), _ptr(encoded.scales),
                                   _ptr(encoded.keep), _ptr(out), encoded.offset, out.numel(),
@@ -203,7 +199,7 @@ def frozen_update_many(rows, *, decay: float) -> None:
     ``(param, averaged, denom, into, scale, bound)``, where each ``param`` becomes
     ``param * decay + clamp(averaged / denom, -bound, bound) * scale`` (no clamp for
     ``bound=None``), the torch passes' bits, in one pass over each; ``averaged`` is the fp32
-    averaged momentum or its part of an encoded average (``onebit_plugin.update.Encoded``,
+    averaged momentum or its part of an encoded average (``onebit_plugin.deferred.Encoded``,
     decoded as it is read, the same bits), copied ``into`` a tensor on the way (None: not
     copied). fp32, contiguous, CPU tensors of ``param``'s size."""
     if not rows:

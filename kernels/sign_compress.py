@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from onebit_plugin.compression import ChunkLayout, CoordinateMask, block_tile
+from . import block_tile
 
 
 @triton.jit
@@ -114,7 +114,7 @@ def _decompress_kernel(packed_ptr, scales_ptr, mask_ptr, out_ptr, n, block, BYTE
     tl.store(out_ptr + offs, value.to(out_ptr.dtype.element_ty), mask=in_block & (offs < n))
 
 
-def _launch_config(layout: ChunkLayout, *tensors: torch.Tensor) -> dict:
+def _launch_config(layout, *tensors: torch.Tensor) -> dict:
     """``BYTES`` and ``num_warps`` for the layout's block, after checking that every tensor is
     contiguous and on one device (a kernel reads raw pointers: a strided or foreign tensor would
     be read wrongly or fault)."""
@@ -131,7 +131,7 @@ def _launch_config(layout: ChunkLayout, *tensors: torch.Tensor) -> dict:
             "enable_fp_fusion": False}
 
 
-def _sum_config(layout: ChunkLayout) -> dict:
+def _sum_config(layout) -> dict:
     return {"LEVELS": (block_tile(layout.block)).bit_length() - 1}
 
 
@@ -141,7 +141,7 @@ def _on_device(tensor: torch.Tensor):
     return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
 
 
-def worker_compress(x, error, mask: CoordinateMask, layout: ChunkLayout, packed, scales) -> None:
+def worker_compress(x, error, mask, layout, packed, scales) -> None:
     """Launcher of the worker pass; arguments as ``onebit_plugin.compression.worker_compress``."""
     config = _launch_config(layout, x, error, mask.keep, packed, scales)
     with _on_device(x):
@@ -152,7 +152,7 @@ def worker_compress(x, error, mask: CoordinateMask, layout: ChunkLayout, packed,
         )
 
 
-def server_compress(recv_packed, recv_scales, error, mask: CoordinateMask, layout: ChunkLayout,
+def server_compress(recv_packed, recv_scales, error, mask, layout,
                     packed, scales) -> None:
     """Launcher of the server pass; arguments as ``onebit_plugin.compression.server_compress``."""
     config = _launch_config(layout, recv_packed, recv_scales, error, mask.keep, packed, scales)
@@ -164,7 +164,7 @@ def server_compress(recv_packed, recv_scales, error, mask: CoordinateMask, layou
         )
 
 
-def decompress(packed, scales, mask: CoordinateMask, layout: ChunkLayout, out) -> None:
+def decompress(packed, scales, mask, layout, out) -> None:
     """Launcher of the final decode; arguments as ``onebit_plugin.compression.decompress``."""
     config = _launch_config(layout, packed, scales, mask.keep, out)
     with _on_device(out):

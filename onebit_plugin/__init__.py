@@ -14,10 +14,11 @@ from onebit_plugin.allreduce import (
 )
 from onebit_plugin.compression import ChunkLayout
 from onebit_plugin.ddp_hook import OneBitHookState, onebit_hook, register_onebit_hook
+from onebit_plugin.deferred import fold_gradient_
 from onebit_plugin.lockstep import LockstepError, check_lockstep
 from onebit_plugin.momentum import MomentumUnit
 from onebit_plugin.optimizer import OneBitAdam
-from onebit_plugin.update import adam_update_, fold_gradient_, frozen_denominator, frozen_update_
+from onebit_plugin.update import adam_update_, frozen_denominator, frozen_update_
 
 __all__ = [
     "ChunkLayout",

@@ -33,12 +33,12 @@ from onebit_plugin.compression import (
     ChunkLayout,
     CompressionBuffers,
     CoordinateMask,
-    backend_for,
     decompress,
     server_compress,
     worker_compress,
 )
-from onebit_plugin.update import Fold
+from onebit_plugin.deferred import Fold
+from onebit_plugin.dispatch import backend_for, on_comm_thread
 
 __all__ = [
     "CommunicationError",
@@ -137,15 +137,9 @@ def comm_executor(group) -> ThreadPoolExecutor:
         executor = _EXECUTORS.get(group)
         if executor is None:
             executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="onebit-comm",
-                                          initializer=_beside_backward)
+                                          initializer=on_comm_thread)
             _EXECUTORS[group] = executor
         return executor
-
-
-def _beside_backward() -> None:
-    from onebit_plugin.kernels import cpu
-
-    cpu.beside_backward()
 
 
 def _as_timedelta(timeout) -> timedelta | None:
@@ -261,7 +255,7 @@ class _Communicator:
         """Write the average of ``tensor`` over the group's ranks into ``out`` (default:
         ``tensor``); masked coordinates come out exactly 0. Returns False, on every rank alike
         and with ``out`` untouched, when some rank's input was not finite. ``tensor`` may be
-        a :class:`~onebit_plugin.update.Fold` (default ``out``: its ``out``), which the 1-bit
+        a :class:`~onebit_plugin.deferred.Fold` (default ``out``: its ``out``), which the 1-bit
         communicator's CPU kernel folds as it compresses. With ``decode=False`` the 1-bit
         communicator may leave the average encoded in ``plan``'s wire buffers (then
         ``plan.encoded``, and ``out`` is not written) where the CPU kernel can read it so

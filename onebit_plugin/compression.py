@@ -35,7 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
-from onebit_plugin.update import Fold
+from onebit_plugin.config import MAX_BLOCK, SCALE_RULES
+from onebit_plugin.deferred import Fold
+from onebit_plugin.dispatch import BACKENDS, backend_for, block_tile, cpu_kernel, triton_kernel
 
 __all__ = [
     "BACKENDS",
@@ -56,10 +58,6 @@ __all__ = [
 _PACK_MAGIC = 0x0102040810204080
 # Decoding is one gather from a 256 x 8 table of +-1: about 10x faster than shifting and
 # masking each bit.
-SCALE_RULES = ("rms", "mean")
-# A Triton program holds one block: compile time grows with it (2**17 values took 129 s to
-# compile for sm_90, 2**21 did not compile), and blocks past a few thousand values buy nothing.
-MAX_BLOCK = 16384
 _SIGN_TABLES: dict[torch.device, torch.Tensor] = {}
 
 
@@ -204,13 +202,6 @@ class CompressionBuffers:
         self.block_sums = torch.empty(num_values // block, dtype=torch.float32, device=device)
 
 
-def block_tile(block: int) -> int:
-    """Values a block is padded to for its sum: 8 times the next power of two of its bytes (at
-    least 2 bytes), the Triton kernels' tile."""
-    rows = block // 8
-    return 8 * max(2, 1 << (rows - 1).bit_length())
-
-
 def block_sums_(terms: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """The sum of each row of ``terms`` (``(blocks, block)``, fp32, overwritten) in the order
     every backend uses: zero-padded to ``block_tile(block)`` columns, the upper half added onto
@@ -271,37 +262,6 @@ def _decode_into(
     return mask.zero_(out)
 
 
-BACKENDS = ("triton", "cpu", "torch")
-
-
-def backend_for(data: torch.Tensor, backend: str | None, *tensors: torch.Tensor) -> str:
-    """Which implementation runs a pass: ``"triton"`` on CUDA tensors, on the CPU the fused C
-    passes (``"cpu"``, ``onebit_plugin.kernels.cpu``) when they could be built, else the torch
-    passes of this module (``"torch"``, the reference). ``backend`` forces one; every backend
-    gives the same bits. The compiled ones read raw pointers: their tensors must be contiguous
-    (else a ``ValueError``)."""
-    if backend is None:
-        if data.is_cuda:
-            backend = "triton"
-        else:
-            from onebit_plugin.kernels import cpu
-
-            fits = data.dtype != torch.float16  # fp16 input: the torch passes convert it
-            backend = "cpu" if fits and cpu.library() is not None else "torch"
-    elif backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
-    if backend == "cpu":
-        from onebit_plugin.kernels import cpu
-
-        for t in tensors:
-            if t.is_cuda or not t.is_contiguous():
-                raise ValueError(f"the CPU kernel needs contiguous CPU tensors, got one of shape "
-                                 f"{tuple(t.shape)} on {t.device}")
-        if cpu.library() is None:
-            raise RuntimeError("onebit: the CPU kernel is not available (see the log line)")
-    return backend
-
-
 def worker_compress(
     x: torch.Tensor,
     error: torch.Tensor,
@@ -316,14 +276,14 @@ def worker_compress(
 
     Args:
         x: contiguous input of ``layout.numel`` values (fp32, bf16 or fp16), or a
-            :class:`~onebit_plugin.update.Fold` of that many: the CPU kernel folds it inside
+            :class:`~onebit_plugin.deferred.Fold` of that many: the CPU kernel folds it inside
             the pass, other backends fold it into its ``out`` first.
         error: fp32 worker error, ``layout.padded_numel`` values, updated in place.
         mask: the layout's :class:`CoordinateMask`.
         packed: uint8 output, ``padded_numel // 8`` bytes.
         scales: fp32 output, ``layout.num_blocks`` values.
         buf: scratch for ``padded_numel`` values (torch path); allocated when omitted.
-        backend: see :func:`backend_for`.
+        backend: see :func:`onebit_plugin.dispatch.backend_for`.
     """
     fold = None
     if isinstance(x, Fold):
@@ -336,15 +296,11 @@ def worker_compress(
     else:
         chosen = backend_for(x, backend, x, error, packed, scales)
     if chosen == "triton":
-        from onebit_plugin.kernels import worker_compress as kernel
-
-        kernel(x, error, mask, layout, packed, scales)
+        triton_kernel("worker_compress")(x, error, mask, layout, packed, scales)
         return
     if chosen == "cpu":
-        from onebit_plugin.kernels import cpu
-
-        cpu.worker_compress(x, error, mask, layout, packed, scales, block_tile(layout.block),
-                            fold)
+        cpu_kernel().worker_compress(x, error, mask, layout, packed, scales,
+                                     block_tile(layout.block), fold)
         return
     buf = _check_buffers(buf, layout.padded_numel, layout.block, x.device)
     # c = x + error, built in the error buffer (its padding is always 0).
@@ -372,18 +328,15 @@ def server_compress(
         mask: this chunk's :class:`CoordinateMask` (``CoordinateMask.chunk``).
         packed, scales: outputs, ``chunk // 8`` bytes and ``blocks_per_chunk`` values.
         buf: scratch for ``W * chunk`` values (torch path); allocated when omitted.
-        backend: see :func:`backend_for`.
+        backend: see :func:`onebit_plugin.dispatch.backend_for`.
     """
     chosen = backend_for(recv_packed, backend, recv_packed, recv_scales, error, packed, scales)
     if chosen == "triton":
-        from onebit_plugin.kernels import server_compress as kernel
-
-        kernel(recv_packed, recv_scales, error, mask, layout, packed, scales)
+        triton_kernel("server_compress")(recv_packed, recv_scales, error, mask, layout, packed,
+                                         scales)
         return
     if chosen == "cpu":
-        from onebit_plugin.kernels import cpu
-
-        cpu.server_compress(recv_packed, recv_scales, error, mask, layout, packed, scales,
+        cpu_kernel().server_compress(recv_packed, recv_scales, error, mask, layout, packed, scales,
                             block_tile(layout.block))
         return
     world, chunk, block = layout.world_size, layout.chunk, layout.block
@@ -417,18 +370,14 @@ def decompress(
     ``backend``: see :func:`backend_for`."""
     chosen = backend_for(packed, backend, packed, scales, out)
     if chosen == "triton":
-        from onebit_plugin.kernels import decompress as kernel
-
-        kernel(packed, scales, mask, layout, out)
+        triton_kernel("decompress")(packed, scales, mask, layout, out)
         return
     total = layout.padded_numel
     buf = _check_buffers(buf, total, layout.block, packed.device)
     if chosen == "cpu":
-        from onebit_plugin.kernels import cpu
-
         # fp32 straight into out; other dtypes through fp32 scratch and one rounding copy.
         target = out if out.dtype == torch.float32 else buf.values[: layout.numel]
-        cpu.decompress(packed, scales, mask, layout, target)
+        cpu_kernel().decompress(packed, scales, mask, layout, target)
         if target is not out:
             out.view(-1).copy_(target)
         return

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 
 from onebit_plugin.compression import decompress
-from onebit_plugin.update import Encoded, Fold, clip_folded_
+from onebit_plugin.deferred import Encoded, Fold
+from onebit_plugin.update import clip_folded_
 
 __all__ = ["MomentumUnit", "partition"]
 
@@ -128,7 +129,7 @@ class MomentumUnit:
 
     def fold(self, grads: dict) -> Fold:
         """The fold of ``grads`` (every parameter's local gradient, or None: zero) into the
-        unit's local momentum, described (``update.Fold``); the communicator computes it, the
+        unit's local momentum, described (``deferred.Fold``); the communicator computes it, the
         CPU kernel inside its worker pass."""
         parts = []
         for p in self.params:
@@ -145,7 +146,7 @@ class MomentumUnit:
 
     def averaged(self, p: torch.Tensor) -> torch.Tensor | Encoded:
         """``p``'s averaged momentum after :meth:`reduce_`: its slice of the fold buffer, or
-        its part of the average the communicator left encoded (``update.Encoded``, which
+        its part of the average the communicator left encoded (``deferred.Encoded``, which
         ``update.frozen_update_`` decodes as it reads it)."""
         if not self.plan.encoded:
             return self.view(p, self.local)

@@ -11,16 +11,13 @@ instead of being rounded away every step.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-__all__ = ["Encoded", "Fold", "adam_update_", "clip_folded_", "corrected_root",
-           "fold_gradient_", "frozen_denominator", "frozen_update_"]
+from onebit_plugin.deferred import Encoded, as_fp32
+from onebit_plugin.dispatch import cpu_kernel, fits_cpu_kernel
 
-
-def _fp32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.float32 else t.float()
+__all__ = ["adam_update_", "clip_folded_", "corrected_root", "frozen_denominator",
+           "frozen_update_"]
 
 
 def _write_back(param: torch.Tensor, p32: torch.Tensor) -> None:
@@ -29,7 +26,7 @@ def _write_back(param: torch.Tensor, p32: torch.Tensor) -> None:
 
 
 def _fp32_param(param: torch.Tensor, master: torch.Tensor | None) -> torch.Tensor:
-    return master if master is not None else _fp32(param)
+    return master if master is not None else as_fp32(param)
 
 
 # adam_update_ works through its tensors in runs of at most this many values (a larger tensor
@@ -69,7 +66,7 @@ def adam_update_(
         # A bf16/fp16 parameter's fp32 copies are made per run too, not for the whole group.
         run = params[start:end]
         p = [_fp32_param(q, master) for q, master in zip(run, masters[start:end], strict=True)]
-        g = [_fp32(grad) for grad in grads[start:end]]
+        g = [as_fp32(grad) for grad in grads[start:end]]
         m, v = exp_avgs[start:end], exp_avg_sqs[start:end]
         if weight_decay != 0:
             if decoupled:
@@ -88,91 +85,6 @@ def adam_update_(
         start = end
 
 
-def fold_gradient_(
-    exp_avg: torch.Tensor, grad: torch.Tensor | None, param: torch.Tensor, *, beta1: float,
-    weight_decay: float, decoupled: bool, out: torch.Tensor,
-) -> None:
-    """``out = b1 * m + (1 - b1) * g`` with a *local* gradient (coupled weight decay folded in);
-    ``m`` is left alone until the average comes back. A missing gradient counts as zero: every
-    rank must still send its momentum."""
-    if grad is None:
-        torch.mul(exp_avg, beta1, out=out)
-        return
-    grad = _fp32(grad)
-    if weight_decay != 0 and not decoupled:
-        grad = grad.add(param, alpha=weight_decay)
-    torch.lerp(exp_avg, grad, 1 - beta1, out=out)
-
-
-class Encoded(NamedTuple):
-    """One parameter's part of a compressed allreduce's average, still as the communicator left
-    it: ``packed`` signs (bit i of byte k is value 8k+i), one fp32 scale per ``block`` values in
-    ``scales``, the bool ``keep`` mask (False: the value is 0), for values ``offset`` on of the
-    layout, as many as ``fallback`` holds: the fp32 tensor (a slice of the unit's fold buffer)
-    it is decoded into where it cannot be read encoded. :func:`frozen_update_`'s CPU pass
-    decodes it as it reads it: the fp32 average is never written and read back. Made by
-    ``MomentumUnit.averaged``, only where the CPU kernel is built."""
-
-    packed: torch.Tensor
-    scales: torch.Tensor
-    keep: torch.Tensor
-    block: int
-    offset: int
-    fallback: torch.Tensor
-
-    def decoded(self) -> torch.Tensor:
-        """Decode into ``fallback`` and return it."""
-        from onebit_plugin.kernels import cpu
-
-        cpu.decode_range(self, self.fallback)
-        return self.fallback
-
-
-class Fold:
-    """The fold of a momentum unit's local gradients, described and not yet done: for each part
-    ``(offset, param, grad, beta1, weight_decay)``, :func:`fold_gradient_` of ``grad`` into
-    ``out[offset:]`` from ``exp_avg[offset:]`` (``weight_decay`` the coupled one, or 0). The CPU
-    kernel's worker pass folds on the fly as it compresses (``kernels/cpu_compress.c``: the fold
-    is never written, and the pass before it that summed it for finiteness is gone); every other
-    path calls :meth:`materialize` and compresses ``out``, with the same bits."""
-
-    __slots__ = ("out", "exp_avg", "parts")
-
-    def __init__(self, out: torch.Tensor, exp_avg: torch.Tensor, parts: list[tuple]):
-        self.out, self.exp_avg, self.parts = out, exp_avg, parts
-
-    @torch.no_grad()  # also on the DDP hook's background thread, where grad mode is on
-    def materialize(self) -> torch.Tensor:
-        """Fold into ``out``, now; returns it."""
-        for offset, param, grad, beta1, weight_decay in self.parts:
-            n = param.numel()
-            fold_gradient_(self.exp_avg[offset : offset + n].view_as(param), grad, param,
-                           beta1=beta1, weight_decay=weight_decay, decoupled=False,
-                           out=self.out[offset : offset + n].view_as(param))
-        return self.out
-
-    def cpu_table(self) -> tuple[torch.Tensor, ...] | None:
-        """The parts as the CPU kernel reads them (offsets, gradient and parameter addresses,
-        bf16 flags, hyperparameters), or None when one does not fit it (a gradient not fp32 or
-        bf16, contiguous and on the CPU; a parameter read for weight decay not fp32)."""
-        offsets, grads, params, bf16, hypers = [], [], [], [], []
-        for offset, param, grad, beta1, weight_decay in self.parts:
-            if grad is not None and not _fits_cpu_kernel(grad, dtypes=(torch.float32,
-                                                                          torch.bfloat16)):
-                return None
-            if grad is not None and weight_decay != 0 and not _fits_cpu_kernel(param):
-                return None
-            offsets.append(offset)
-            grads.append(0 if grad is None else grad.data_ptr())
-            params.append(param.data_ptr() if weight_decay != 0 else 0)
-            bf16.append(int(grad is not None and grad.dtype == torch.bfloat16))
-            hypers += [beta1, 1 - beta1, weight_decay]
-        offsets.append(self.out.numel())
-        return (torch.tensor(offsets, dtype=torch.int64), torch.tensor(grads, dtype=torch.int64),
-                torch.tensor(bf16, dtype=torch.int32), torch.tensor(params, dtype=torch.int64),
-                torch.tensor(hypers, dtype=torch.float64))
-
-
 def clip_folded_(
     averaged: torch.Tensor, exp_avg: torch.Tensor, param: torch.Tensor, coef: float, *,
     beta1: float, weight_decay: float, decoupled: bool,
@@ -184,7 +96,7 @@ def clip_folded_(
     ``m`` is the momentum before the fold, the same on every rank."""
     averaged.mul_(coef).add_(exp_avg, alpha=(1 - coef) * beta1)
     if weight_decay != 0 and not decoupled:
-        averaged.add_(_fp32(param), alpha=(1 - coef) * (1 - beta1) * weight_decay)
+        averaged.add_(as_fp32(param), alpha=(1 - coef) * (1 - beta1) * weight_decay)
 
 
 def corrected_root(exp_avg_sq: torch.Tensor, step: float, *, beta2: float,
@@ -231,15 +143,15 @@ def frozen_update_(
     decay = 1 - lr * weight_decay if weight_decay != 0 and decoupled else 1.0
     # |m_hat / denom| <= 1 is |m / denom| <= 1 - b1**step, before m's bias correction.
     corrections = [1 - beta1**step for step in steps]
-    kernel = _cpu_kernel()
+    kernel = cpu_kernel()
     rows, rest = [], []
     if averaged is not None:
         averaged = list(averaged)
     for i, (p, m, d) in enumerate(zip(p32, exp_avgs, denoms, strict=True)):
         new = m if averaged is None else averaged[i]
         encoded = isinstance(new, Encoded)
-        if kernel is not None and _fits_cpu_kernel(p, m, d) and \
-                (encoded or _fits_cpu_kernel(new)):
+        if kernel is not None and fits_cpu_kernel(p, m, d) and \
+                (encoded or fits_cpu_kernel(new)):
             # One pass instead of the six below, the same bits (kernels/cpu_update.c); an
             # encoded average decoded as it is read (the fold buffer neither written nor read).
             rows.append((p, new, d, None if averaged is None else m, -(lr / corrections[i]),
@@ -260,20 +172,6 @@ def frozen_update_(
                               lr=lr, decay=decay, bounded=bounded, work=work)
     for param, p in zip(params, p32, strict=True):
         _write_back(param, p)
-
-
-def _fits_cpu_kernel(*tensors: torch.Tensor, dtypes=(torch.float32,)) -> bool:
-    for t in tensors:  # a loop, not all(...): called for every parameter at every step
-        if not (t.is_cpu and t.dtype in dtypes and t.is_contiguous()):
-            return False
-    return True
-
-
-def _cpu_kernel():
-    """``onebit_plugin.kernels.cpu`` when its library is built (else None: torch passes)."""
-    from onebit_plugin.kernels import cpu
-
-    return cpu if cpu.library() is not None else None
 
 
 def _frozen_update_passes(p32, exp_avgs, denoms, corrections, *, lr, decay, bounded, work):

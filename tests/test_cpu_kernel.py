@@ -11,8 +11,8 @@ import torch
 
 from onebit_plugin import compression as C
 from onebit_plugin.compression import ChunkLayout, CoordinateMask
+from onebit_plugin.deferred import Fold
 from onebit_plugin.kernels import cpu
-from onebit_plugin.update import Fold
 from tests.procs import owned_processes
 
 if cpu.library() is None:  # said in the log: this machine has no C compiler
@@ -275,8 +275,10 @@ def _child(env):
 def test_a_bad_setting_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("ONEBIT_CPU_KERNEL", "fast")
     monkeypatch.setattr(cpu, "_state", {})
+    from onebit_plugin.dispatch import cpu_kernel
+
     with pytest.raises(ValueError, match="ONEBIT_CPU_KERNEL must be 1 or 0 .+ got 'fast'"):
-        cpu.library()
+        cpu_kernel()
 
 
 def test_first_build_is_cached(tmp_path):
@@ -322,7 +324,7 @@ def test_the_update_pass_decodes_an_encoded_average_as_the_decode_would(bounded,
     tiles, masked values, one part above the threaded size) gives the bits of the decode
     followed by the update, and copies the decoded average; its fallback decode is the
     decode's."""
-    from onebit_plugin.update import Encoded
+    from onebit_plugin.deferred import Encoded
 
     sizes = [1, 7, 1001, 70001, cpu.PARALLEL_FROM + 13]
     gen, layout, mask, packed, scales, decoded = _encoded_average(3 + sum(sizes), 3, 136, 0.2, 9)
@@ -358,7 +360,8 @@ def test_frozen_update_takes_encoded_parts_and_decodes_those_it_cannot_read_so()
     """frozen_update_ with encoded averages equals it with the decoded ones; a parameter the
     C pass cannot read (a transposed view) has its part decoded into the fallback and goes
     through the torch passes."""
-    from onebit_plugin.update import Encoded, frozen_update_
+    from onebit_plugin.deferred import Encoded
+    from onebit_plugin.update import frozen_update_
 
     shapes = [(30, 17), (5,), (64, 40)]
     numel = sum(torch.Size(s).numel() for s in shapes)

@@ -1,0 +1,198 @@
+"""The family's settings in one place: :class:`OneBitConfig`, validated once when it is made,
+and :func:`settings_from_env`, the one reader of the ``ONEBIT_*`` variables.
+
+An optimizer of the family takes its settings as keyword arguments and makes its config from
+them; the Accelerate flag and ``onebit-run`` make theirs from the environment. Both go through
+``OneBitConfig.__post_init__``, so a value is checked by the same code whichever way it came,
+and an error from the environment names the variable instead of the argument. Nothing writes a
+setting after construction: what an integration decides later (the DDP hook's ``comm_timeout``)
+it passes to ``register_onebit_hook``, which checks that it is not too late for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+__all__ = ["EnvSettings", "OneBitConfig", "check_hparams", "check_settings", "flag",
+           "settings_from_env"]
+
+SCALE_RULES = ("rms", "mean")
+# A Triton program holds one block: compile time grows with it (2**17 values took 129 s to
+# compile for sm_90, 2**21 did not compile), and blocks past a few thousand values buy nothing.
+MAX_BLOCK = 16384
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("", "0", "false", "no", "off")
+
+
+def _is_int(value, low: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= low
+
+
+# Per checked setting: the test, and what it must be as an argument and as a variable (whose
+# value is already a number: "an int" goes without saying there).
+_RULES = {
+    "freeze_step": (lambda v: v == "auto" or _is_int(v, 1), "an int >= 1 or 'auto'",
+                    ">= 1 or auto"),
+    "total_steps": (lambda v: v is None or _is_int(v, 1), "an int >= 1", ">= 1"),
+    "max_block": (lambda v: _is_int(v, 8) and v % 8 == 0 and v <= MAX_BLOCK,
+                  f"a positive multiple of 8 up to {MAX_BLOCK}",
+                  f"a multiple of 8 in [8, {MAX_BLOCK}]"),
+    "scale": (lambda v: v in SCALE_RULES, f"one of {SCALE_RULES}", f"one of {SCALE_RULES}"),
+    "comm_timeout": (lambda v: v is None or v > 0, "> 0 seconds", "> 0 seconds"),
+    "max_skipped_steps": (lambda v: _is_int(v, 1), "an int >= 1", ">= 1"),
+    "bucket_cap_mb": (lambda v: v is None or v > 0, "> 0", "> 0"),
+}
+
+
+def check_settings(values: dict, variables: dict | None = None) -> None:
+    """The one check of the settings in ``values``: a ``ValueError`` naming the first bad one,
+    by its variable when ``variables`` maps it to one."""
+    for name, value in values.items():
+        if name not in _RULES:
+            continue
+        test, as_argument, as_variable = _RULES[name]
+        try:
+            ok = test(value)
+        except TypeError:  # "soon" > 0
+            ok = False
+        if not ok:
+            if variables and name in variables:
+                raise ValueError(f"{variables[name]} must be {as_variable}, got {value!r}")
+            raise ValueError(f"{name} must be {as_argument}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class OneBitConfig:
+    """What every member of the 1-bit family takes beside its hyperparameters (the optimizers'
+    docstrings say what each means). Frozen and checked when made: an invalid value is a
+    ``ValueError`` naming the setting."""
+
+    freeze_step: int | str | None = None
+    total_steps: int | None = None
+    max_block: int = 2048
+    scale: str = "rms"
+    mask_zero_variance: bool = True
+    average_grads: bool = True
+    compress_momentum: bool = True
+    bound_update: bool = True
+    comm_timeout: float | None = None
+    bucket_cap_mb: float | None = None
+    max_skipped_steps: int = 20
+    master_weights: bool = False
+
+    def __post_init__(self) -> None:
+        if self.freeze_step is None:
+            raise ValueError(
+                "freeze_step is required: the number of uncompressed Adam warm-up steps "
+                "(an int >= 1; 15-25% of the run is typical)"
+            )
+        check_settings(dataclasses.asdict(self))
+        for name in ("mask_zero_variance", "average_grads", "compress_momentum",
+                     "bound_update", "master_weights"):
+            object.__setattr__(self, name, bool(getattr(self, name)))
+
+    def replace(self, **changes) -> OneBitConfig:
+        """A copy with ``changes``, checked again."""
+        return dataclasses.replace(self, **changes)
+
+    def options(self) -> dict:
+        """The settings as keyword arguments of an optimizer of the family."""
+        return dataclasses.asdict(self)
+
+
+def check_hparams(lr, betas, eps, weight_decay) -> None:
+    """Adam's hyperparameters, as torch's Adam checks them."""
+    # lr = 0 is allowed, as in torch's Adam: a warm-up LR schedule starts there.
+    if not isinstance(lr, float | int) or not lr >= 0:
+        raise ValueError(f"lr must be >= 0, got {lr!r}")
+    if not isinstance(betas, tuple | list) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    for name, b in zip(("betas[0]", "betas[1]"), betas, strict=True):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {b!r}")
+    if not eps >= 0.0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+
+
+# ------------------------------------------------------------------------- the environment
+def flag(name: str, default: str) -> bool:
+    """The one reading of an on/off ``ONEBIT_*`` variable: 1/true/yes/on or 0/false/no/off
+    (any case; unset is ``default``, empty is off), anything else a ``ValueError`` naming it."""
+    value = os.environ.get(name, default).strip().lower()
+    if value in TRUE_WORDS:
+        return True
+    if value in FALSE_WORDS:
+        return False
+    raise ValueError(f"{name} must be 1 or 0 (true/false), got {value!r}")
+
+
+VARIABLES = ("ONEBIT_ADAM", "ONEBIT_FREEZE_STEP", "ONEBIT_TOTAL_STEPS", "ONEBIT_MAX_BLOCK",
+             "ONEBIT_SCALE", "ONEBIT_OVERLAP", "ONEBIT_TIMEOUT", "ONEBIT_BOUND_UPDATE",
+             "ONEBIT_MASTER_WEIGHTS", "ONEBIT_CPU_KERNEL")
+# The variable of each config field it sets: a ValueError about the field names the variable.
+_FIELD_VARIABLES = {"freeze_step": "ONEBIT_FREEZE_STEP", "total_steps": "ONEBIT_TOTAL_STEPS",
+                    "max_block": "ONEBIT_MAX_BLOCK", "scale": "ONEBIT_SCALE",
+                    "comm_timeout": "ONEBIT_TIMEOUT", "bound_update": "ONEBIT_BOUND_UPDATE",
+                    "master_weights": "ONEBIT_MASTER_WEIGHTS"}
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        also = " or auto" if name == "ONEBIT_FREEZE_STEP" else ""
+        raise ValueError(f"{name} must be an integer{also}, got {raw!r}") from None
+
+
+def _env_seconds(name: str) -> float | None:
+    raw = os.environ.get(name, "").strip()
+    try:
+        return float(raw) if raw else None
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+
+
+@dataclass(frozen=True)
+class EnvSettings:
+    """What the ``ONEBIT_*`` variables say: the optimizer's config and the DDP hook's overlap."""
+
+    config: OneBitConfig
+    overlap: bool = True
+
+
+def settings_from_env() -> EnvSettings | None:
+    """The settings when ``ONEBIT_ADAM`` is on, else None. A misspelt ``ONEBIT_*`` name or a
+    bad value is a ``ValueError`` naming the variable."""
+    if not flag("ONEBIT_ADAM", "0"):
+        return None
+    unknown = sorted(k for k in os.environ if k.startswith("ONEBIT_") and k not in VARIABLES)
+    if unknown:
+        raise ValueError(f"unknown setting(s) {', '.join(unknown)}: the ONEBIT_ variables "
+                         f"are {', '.join(VARIABLES)}")
+    freeze = os.environ.get("ONEBIT_FREEZE_STEP", "").strip()
+    if not freeze:
+        raise ValueError(
+            "ONEBIT_ADAM=1 needs ONEBIT_FREEZE_STEP (or onebit-run --freeze-step N): the number "
+            "of uncompressed Adam warm-up steps (an int >= 1, typically 15-25% of the optimizer "
+            "steps), or auto")
+    fields = dict(
+        freeze_step="auto" if freeze == "auto" else _env_int("ONEBIT_FREEZE_STEP"),
+        total_steps=_env_int("ONEBIT_TOTAL_STEPS"),
+        max_block=2048 if (block := _env_int("ONEBIT_MAX_BLOCK")) is None else block,
+        scale=os.environ.get("ONEBIT_SCALE", "").strip() or "rms",
+        comm_timeout=_env_seconds("ONEBIT_TIMEOUT"),
+        bound_update=flag("ONEBIT_BOUND_UPDATE", "1"),
+        master_weights=flag("ONEBIT_MASTER_WEIGHTS", "0"),
+    )
+    overlap = flag("ONEBIT_OVERLAP", "1")
+    flag("ONEBIT_CPU_KERNEL", "1")  # read when the CPU kernel is first used; checked here
+    check_settings(fields, _FIELD_VARIABLES)
+    config = OneBitConfig(**fields)
+    return EnvSettings(config, overlap)
