@@ -40,16 +40,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import accelerate
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from onebit_plugin.compression import MAX_BLOCK, SCALE_RULES
+from onebit_plugin.config import EnvSettings
 from onebit_plugin.ddp_hook import OneBitHookState, register_onebit_hook
 from onebit_plugin.integrations.rank_states import load_rank_states, save_rank_states
 from onebit_plugin.optimizer import OneBitAdam
@@ -58,97 +56,8 @@ __all__ = ["Accelerator", "OneBitSettings", "to_onebit_adam"]
 
 log = logging.getLogger("onebit_plugin")
 
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"", "0", "false", "no", "off"}
-
-
-def _flag(name: str, default: str) -> bool:
-    value = os.environ.get(name, default).strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"{name} must be 1 or 0 (true/false), got {value!r}")
-
-
-def _int(name: str, default: int | None) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        if default is None:
-            raise ValueError(
-                f"ONEBIT_ADAM=1 needs {name} (or onebit-run --freeze-step N): the number of "
-                "uncompressed Adam warm-up steps (an int >= 1, typically 15-25% of the "
-                "optimizer steps), or auto"
-            )
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        also = " or auto" if name == "ONEBIT_FREEZE_STEP" else ""
-        raise ValueError(f"{name} must be an integer{also}, got {raw!r}") from None
-
-
-def _float(name: str) -> float | None:
-    raw = os.environ.get(name, "").strip()
-    try:
-        return float(raw) if raw else None
-    except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
-
-
-VARIABLES = ("ONEBIT_ADAM", "ONEBIT_FREEZE_STEP", "ONEBIT_TOTAL_STEPS", "ONEBIT_MAX_BLOCK",
-             "ONEBIT_SCALE", "ONEBIT_OVERLAP", "ONEBIT_TIMEOUT", "ONEBIT_BOUND_UPDATE",
-             "ONEBIT_MASTER_WEIGHTS", "ONEBIT_CPU_KERNEL")
-
-
-@dataclass(frozen=True)
-class OneBitSettings:
-    freeze_step: int | str
-    total_steps: int | None = None
-    max_block: int = 2048
-    scale: str = "rms"
-    overlap: bool = True
-    timeout: float | None = None
-    bound_update: bool = True
-    master_weights: bool = False
-
-    @classmethod
-    def from_env(cls) -> OneBitSettings | None:
-        """The settings when ``ONEBIT_ADAM`` is on, else None; a misspelt ``ONEBIT_*`` name or
-        a bad value is a ``ValueError`` naming the variable."""
-        if not _flag("ONEBIT_ADAM", "0"):
-            return None
-        unknown = sorted(k for k in os.environ if k.startswith("ONEBIT_") and k not in VARIABLES)
-        if unknown:
-            raise ValueError(f"unknown setting(s) {', '.join(unknown)}: the ONEBIT_ variables "
-                             f"are {', '.join(VARIABLES)}")
-        settings = cls(
-            freeze_step=("auto" if os.environ.get("ONEBIT_FREEZE_STEP", "").strip() == "auto"
-                         else _int("ONEBIT_FREEZE_STEP", None)),
-            total_steps=(_int("ONEBIT_TOTAL_STEPS", None)
-                         if os.environ.get("ONEBIT_TOTAL_STEPS", "").strip() else None),
-            max_block=_int("ONEBIT_MAX_BLOCK", 2048),
-            scale=os.environ.get("ONEBIT_SCALE", "rms"),
-            overlap=_flag("ONEBIT_OVERLAP", "1"),
-            timeout=_float("ONEBIT_TIMEOUT"),
-            bound_update=_flag("ONEBIT_BOUND_UPDATE", "1"),
-            master_weights=_flag("ONEBIT_MASTER_WEIGHTS", "0"),
-        )
-        _flag("ONEBIT_CPU_KERNEL", "1")  # read by onebit_plugin.kernels.cpu; checked here
-        if settings.freeze_step != "auto" and settings.freeze_step < 1:
-            raise ValueError(f"ONEBIT_FREEZE_STEP must be >= 1 or auto, got "
-                             f"{settings.freeze_step}")
-        if settings.total_steps is not None and settings.total_steps < 1:
-            raise ValueError(f"ONEBIT_TOTAL_STEPS must be >= 1, got {settings.total_steps}")
-        if not (8 <= settings.max_block <= MAX_BLOCK and settings.max_block % 8 == 0):
-            raise ValueError(f"ONEBIT_MAX_BLOCK must be a multiple of 8 in [8, {MAX_BLOCK}], "
-                             f"got {settings.max_block}")
-        if settings.scale not in SCALE_RULES:
-            raise ValueError(f"ONEBIT_SCALE must be one of {SCALE_RULES}, got "
-                             f"{settings.scale!r}")
-        if settings.timeout is not None and not settings.timeout > 0:
-            raise ValueError(f"ONEBIT_TIMEOUT must be > 0 seconds, got {settings.timeout}")
-        return settings
+# The settings, read from the environment by the core's one reader (onebit_plugin.config).
+OneBitSettings = EnvSettings
 
 
 def to_onebit_adam(optimizer: torch.optim.Optimizer, settings: OneBitSettings) -> OneBitAdam:
@@ -172,12 +81,10 @@ def to_onebit_adam(optimizer: torch.optim.Optimizer, settings: OneBitSettings) -
     # The same dicts: an LR scheduler that edits them drives the new optimizer.
     return OneBitAdam(
         optimizer.param_groups, lr=first["lr"], betas=first["betas"], eps=first["eps"],
-        weight_decay=first["weight_decay"], freeze_step=settings.freeze_step,
+        weight_decay=first["weight_decay"], decoupled_weight_decay=decoupled,
         # A transformers.Trainer leaves its max_steps here (transformers_trainer).
-        total_steps=settings.total_steps or getattr(optimizer, "onebit_total_steps", None),
-        decoupled_weight_decay=decoupled, max_block=settings.max_block, scale=settings.scale,
-        comm_timeout=settings.timeout, bound_update=settings.bound_update,
-        master_weights=settings.master_weights,
+        **settings.config.replace(total_steps=settings.total_steps or getattr(
+            optimizer, "onebit_total_steps", None)).options(),
     )
 
 

@@ -15,7 +15,15 @@ from __future__ import annotations
 import sys
 
 
+def _on() -> bool:
+    from onebit_plugin.config import flag
+
+    return flag("ONEBIT_ADAM", "0")
+
+
 def patch_accelerate(module) -> None:
+    if not _on():
+        return
     from onebit_plugin.integrations.accelerate_flag import Accelerator
 
     module.Accelerator = Accelerator
@@ -23,6 +31,8 @@ def patch_accelerate(module) -> None:
 
 
 def patch_trainer(module) -> None:
+    if not _on():
+        return
     from onebit_plugin.integrations.transformers_trainer import patch_trainer
 
     patch_trainer(module.Trainer)

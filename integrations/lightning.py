@@ -61,6 +61,25 @@ def register_all() -> list[str]:
     return done + fabric
 
 
+def register_when_imported() -> None:
+    """``Trainer(strategy="onebit_adam")`` and ``Fabric(strategy="onebit_adam")`` work after
+    ``import onebit_plugin`` wherever a Lightning package is installed: the names are
+    registered when (if ever) that package loads, so that importing onebit_plugin does not load
+    Lightning itself."""
+    from onebit_plugin.integrations.bootstrap.onebit_post_import import when_imported
+
+    def register(namespace: str):
+        def now(_module) -> None:
+            if namespace in FABRIC_MODULES:
+                fabric_strategy_for(namespace)
+            else:
+                classes_for(namespace)
+        return now
+
+    for namespace in (*NAMESPACES, *FABRIC_MODULES):
+        when_imported(namespace, register(namespace))
+
+
 def __getattr__(name: str):
     # Imported on first use, so that a machine with only lightning.pytorch can import this.
     if name in ("OneBitAdamStrategy", "OneBitAdamCallback"):
@@ -70,4 +89,4 @@ def __getattr__(name: str):
 
 
 # OneBitAdamStrategy and OneBitAdamCallback come from __getattr__ above.
-__all__ = ["classes_for", "fabric_strategy_for", "register_all"]
+__all__ = ["classes_for", "fabric_strategy_for", "register_all", "register_when_imported"]

@@ -8,16 +8,17 @@ from datetime import timedelta
 
 import torch
 
-from onebit_plugin.ddp_hook import register_onebit_hook
+from onebit_plugin import OneBitOptimizer
+from onebit_plugin.integrations.ddp_strategies import (
+    check_precision,
+    ddp_kwargs,
+    pair,
+    register_names,
+    require_member,
+)
 from onebit_plugin.integrations.rank_states import own_rank_state, with_rank_states
-from onebit_plugin.optimizer import OneBitAdam
 
 log = logging.getLogger("onebit_plugin")
-
-# Precisions whose gradients can be folded into the momentum as they come out of backward.
-# "16-mixed" scales the loss with a GradScaler: the scaled local gradients would enter the
-# compressed momentum before the scaler could unscale them or skip an overflowed step.
-SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 
 
 def route_clipping(precision_plugin) -> None:
@@ -29,13 +30,13 @@ def route_clipping(precision_plugin) -> None:
 
     def clip_grad_by_norm(optimizer, clip_val):
         inner = getattr(optimizer, "_optimizer", optimizer)
-        if not isinstance(inner, OneBitAdam):
+        if not isinstance(inner, OneBitOptimizer):
             return by_norm(optimizer, clip_val)
         inner.clip_grad_norm_(clip_val, params=precision_plugin.main_params(optimizer))
 
     def clip_grad_by_value(optimizer, clip_val):
         inner = getattr(optimizer, "_optimizer", optimizer)
-        if not isinstance(inner, OneBitAdam):
+        if not isinstance(inner, OneBitOptimizer):
             return by_value(optimizer, clip_val)
         inner.clip_grad_value_(clip_val)  # raises: no 1-bit counterpart
 
@@ -80,8 +81,9 @@ def make_strategy_class(pl, callback_cls, module: str):
 
         Gradient clipping (``gradient_clip_val``) goes through ``OneBitAdam.clip_grad_norm_``:
         in warm-up it clips the averaged gradient, as with DDP; in the compression stage it
-        scales the gradient inside the averaged momentum by ``max_norm`` over the mean of the
-        ranks' local gradient norms (the same on every rank). Clipping by value is an error.
+        scales the gradient inside the averaged momentum by ``max_norm`` over an unbiased
+        estimate of the averaged gradient's norm from sketches of the ranks' local gradients
+        (the same on every rank; docs/design.md, "Clipping"). Clipping by value is an error.
 
         Checkpoints hold every rank's own error buffers (``onebit_ranks`` beside rank 0's
         optimizer state) and each rank loads its own on resume, so a run resumed in either stage
@@ -93,16 +95,7 @@ def make_strategy_class(pl, callback_cls, module: str):
         def __init__(self, overlap: bool = True, add_callback: bool = True,
                      record_timeline: bool = False, comm_timeout: float | None = None,
                      **kwargs):
-            for taken in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"):
-                if kwargs.get(taken) is not None:
-                    raise ValueError(
-                        f"OneBitAdamStrategy registers its own DDP comm hook; {taken} cannot be "
-                        "set"
-                    )
-            # p.grad as views of DDP's buckets: no copy into the buckets and back per step, and
-            # the hook can leave the units completed by the last bucket to step()
-            # (onebit_plugin.ddp_hook). The user's own setting wins.
-            kwargs.setdefault("gradient_as_bucket_view", True)
+            kwargs = ddp_kwargs(kwargs, ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"))
             super().__init__(**kwargs)
             # None: the default group's timeout follows comm_timeout once that is known.
             self._user_timeout = kwargs.get("timeout")
@@ -148,39 +141,24 @@ def make_strategy_class(pl, callback_cls, module: str):
 
         @override
         def setup(self, trainer) -> None:
-            precision = str(self.precision_plugin.precision)
-            if trainer.state.fn == TrainerFn.FITTING and precision not in SUPPORTED_PRECISIONS:
-                raise ValueError(
-                    f"strategy='onebit_adam' supports precision {', '.join(SUPPORTED_PRECISIONS)}; "
-                    f"got {precision!r}. '16-mixed' needs a GradScaler, whose loss scale would "
-                    "enter the compressed momentum before overflowed steps can be skipped: use "
-                    "'bf16-mixed'."
-                )
+            if trainer.state.fn == TrainerFn.FITTING:
+                check_precision(self.precision_plugin.precision)
             super().setup(trainer)
             if trainer.state.fn != TrainerFn.FITTING:
                 return
-            optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-            if len(optimizers) != 1 or not isinstance(optimizers[0], OneBitAdam):
-                got = ", ".join(type(o).__name__ for o in optimizers) or "nothing"
-                raise ValueError(
-                    "strategy='onebit_adam' needs configure_optimizers() to return one "
-                    "onebit_plugin.OneBitAdam (optionally with an LR scheduler), e.g. "
-                    "`return OneBitAdam(self.parameters(), lr=1e-3, freeze_step=1000)`; "
-                    f"got {got}"
-                )
-            if self.comm_timeout is not None:
-                optimizers[0].comm_timeout = timedelta(seconds=self.comm_timeout)
-            self._bound_default_group(optimizers[0].comm_timeout)
+            optimizer = require_member(
+                [getattr(o, "_optimizer", o) for o in self.optimizers],
+                "configure_optimizers() to return one onebit_plugin.OneBitAdam (optionally with "
+                "an LR scheduler), e.g. `return OneBitAdam(self.parameters(), lr=1e-3, "
+                "freeze_step=1000)`")
             total = trainer.estimated_stepping_batches  # inf for max_steps=-1 and no epochs
-            if optimizers[0].auto_freeze is not None and math.isfinite(total):
-                optimizers[0].set_total_steps(int(total))
-            self.hook_state = register_onebit_hook(
-                self.model, optimizers[0], overlap=self.overlap,
-                record_timeline=self.record_timeline,
-            )
+            if optimizer.auto_freeze is not None and math.isfinite(total):
+                optimizer.set_total_steps(int(total))
+            self._bound_default_group(optimizer.comm_timeout if self.comm_timeout is None
+                                      else timedelta(seconds=self.comm_timeout))
+            self.hook_state = pair(self.model, optimizer, self.overlap, self.comm_timeout,
+                                   self.record_timeline)
             route_clipping(self.precision_plugin)
-            if not self.hook_state.overlap:
-                log.info("onebit: compressed allreduce runs in optimizer.step() (no overlap)")
 
         @override
         def optimizer_state(self, optimizer) -> dict:
@@ -188,7 +166,7 @@ def make_strategy_class(pl, callback_cls, module: str):
             ``onebit_ranks``: the errors differ per rank and a checkpoint is written by rank 0
             only. Collective: every rank calls it while the checkpoint is dumped."""
             state = super().optimizer_state(optimizer)
-            if not isinstance(getattr(optimizer, "_optimizer", optimizer), OneBitAdam):
+            if not isinstance(getattr(optimizer, "_optimizer", optimizer), OneBitOptimizer):
                 return state
             return with_rank_states(state, self.global_rank, self.world_size)
 
@@ -201,16 +179,7 @@ def make_strategy_class(pl, callback_cls, module: str):
         @classmethod
         @override
         def register_strategies(cls, strategy_registry) -> None:
-            for name, start_method in (
-                ("onebit_adam", "popen"),
-                ("onebit_adam_spawn", "spawn"),
-                ("onebit_adam_fork", "fork"),
-            ):
-                strategy_registry.register(
-                    name, cls,
-                    description=f"1-bit Adam over DDP with start_method '{start_method}'",
-                    override=True, start_method=start_method,
-                )
+            register_names(cls, strategy_registry, "1-bit Adam over DDP")
 
     OneBitAdamStrategy.__module__, OneBitAdamStrategy.__qualname__ = module, "OneBitAdamStrategy"
     return OneBitAdamStrategy

@@ -12,24 +12,34 @@ from onebit_plugin.allreduce import (
     OneBitAllreduce,
     compressed_allreduce,
 )
+from onebit_plugin.base import OneBitOptimizer
 from onebit_plugin.compression import ChunkLayout
+from onebit_plugin.config import OneBitConfig, settings_from_env
 from onebit_plugin.ddp_hook import OneBitHookState, onebit_hook, register_onebit_hook
 from onebit_plugin.deferred import fold_gradient_
 from onebit_plugin.lockstep import LockstepError, check_lockstep
 from onebit_plugin.momentum import MomentumUnit
 from onebit_plugin.optimizer import OneBitAdam
+from onebit_plugin.policy import AdamPolicy, ExactMomentum, Exchange, OneBitMomentum, Policy
 from onebit_plugin.update import adam_update_, frozen_denominator, frozen_update_
 
 __all__ = [
+    "AdamPolicy",
     "ChunkLayout",
     "CommunicationError",
     "CompressedAllreduce",
     "ExactAllreduce",
+    "ExactMomentum",
+    "Exchange",
     "LockstepError",
     "MomentumUnit",
     "OneBitAdam",
     "OneBitAllreduce",
+    "OneBitConfig",
     "OneBitHookState",
+    "OneBitMomentum",
+    "OneBitOptimizer",
+    "Policy",
     "adam_update_",
     "check_lockstep",
     "compressed_allreduce",
@@ -38,29 +48,12 @@ __all__ = [
     "frozen_update_",
     "onebit_hook",
     "register_onebit_hook",
+    "settings_from_env",
 ]
 __version__ = "0.1.0"
 
+# Trainer(strategy="onebit_adam") and Fabric(strategy="onebit_adam") after `import onebit_plugin`,
+# registered when (if ever) a Lightning package loads: the core's one arrow to the integrations.
+from onebit_plugin.integrations.lightning import register_when_imported  # noqa: E402
 
-def _register_lightning_strategies() -> None:
-    """``Trainer(strategy="onebit_adam")`` and ``Fabric(strategy="onebit_adam")`` work after
-    ``import onebit_plugin`` wherever a Lightning package is installed: the names are registered
-    when (if ever) that package loads, so that this import does not load Lightning itself."""
-    from onebit_plugin.integrations.bootstrap.onebit_post_import import when_imported
-    from onebit_plugin.integrations.lightning import FABRIC_MODULES, NAMESPACES
-
-    def register(namespace: str):
-        def now(_module) -> None:
-            from onebit_plugin.integrations import lightning
-
-            if namespace in FABRIC_MODULES:
-                lightning.fabric_strategy_for(namespace)
-            else:
-                lightning.classes_for(namespace)
-        return now
-
-    for namespace in (*NAMESPACES, *FABRIC_MODULES):
-        when_imported(namespace, register(namespace))
-
-
-_register_lightning_strategies()
+register_when_imported()

@@ -48,6 +48,8 @@ __all__ = [
     "all_finite",
     "comm_executor",
     "compressed_allreduce",
+    "group_size_and_rank",
+    "new_group",
     "wait_collectives",
 ]
 
@@ -119,6 +121,23 @@ def group_size_and_rank(group) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
+
+
+WATCHDOG_MARGIN = timedelta(seconds=30)
+
+
+def new_group(group: dist.ProcessGroup | None, timeout: timedelta | None) -> dist.ProcessGroup:
+    """A group of the ranks of ``group`` (the world for None) for the optimizer's collectives,
+    with ``timeout`` (made on every rank at the same point, as every new group)."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else None
+    if timeout is not None and dist.get_backend(group) == "nccl":
+        # gloo ends a stuck collective at the group's timeout; NCCL's watchdog instead ends the
+        # *process* at it (TORCH_NCCL_ASYNC_ERROR_HANDLING's default). Every wait here passes
+        # comm_timeout itself (an NCCL wait with a timeout blocks and raises), so the watchdog
+        # gets twice that, at least 30 s more: CommunicationError comes first, then the group is
+        # aborted (wait_collectives).
+        timeout = timeout + max(timeout, WATCHDOG_MARGIN)
+    return dist.new_group(ranks=ranks, timeout=timeout)
 
 
 def resolve_device(device) -> torch.device:

@@ -161,10 +161,31 @@ def _env_seconds(name: str) -> float | None:
 
 @dataclass(frozen=True)
 class EnvSettings:
-    """What the ``ONEBIT_*`` variables say: the optimizer's config and the DDP hook's overlap."""
+    """What the ``ONEBIT_*`` variables say (``settings_from_env``): the optimizer's settings
+    (:attr:`config`) and the DDP hook's ``overlap``. Checked when made, by ``OneBitConfig``."""
 
-    config: OneBitConfig
+    freeze_step: int | str
+    total_steps: int | None = None
+    max_block: int = 2048
+    scale: str = "rms"
     overlap: bool = True
+    timeout: float | None = None
+    bound_update: bool = True
+    master_weights: bool = False
+
+    def __post_init__(self) -> None:
+        self.config  # noqa: B018 - made (and so checked) once here
+
+    @property
+    def config(self) -> OneBitConfig:
+        return OneBitConfig(freeze_step=self.freeze_step, total_steps=self.total_steps,
+                            max_block=self.max_block, scale=self.scale,
+                            comm_timeout=self.timeout, bound_update=self.bound_update,
+                            master_weights=self.master_weights)
+
+    @classmethod
+    def from_env(cls) -> EnvSettings | None:
+        return settings_from_env()
 
 
 def settings_from_env() -> EnvSettings | None:
@@ -193,6 +214,6 @@ def settings_from_env() -> EnvSettings | None:
     )
     overlap = flag("ONEBIT_OVERLAP", "1")
     flag("ONEBIT_CPU_KERNEL", "1")  # read when the CPU kernel is first used; checked here
-    check_settings(fields, _FIELD_VARIABLES)
-    config = OneBitConfig(**fields)
-    return EnvSettings(config, overlap)
+    check_settings(fields, _FIELD_VARIABLES)  # the same check, naming the variables
+    fields["timeout"] = fields.pop("comm_timeout")
+    return EnvSettings(overlap=overlap, **fields)

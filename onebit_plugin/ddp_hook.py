@@ -42,8 +42,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from onebit_plugin.allreduce import comm_executor
+from onebit_plugin.base import WARMUP, OneBitOptimizer
 from onebit_plugin.momentum import MomentumUnit
-from onebit_plugin.optimizer import WARMUP, OneBitAdam
 
 __all__ = ["OneBitHookState", "onebit_hook", "register_onebit_hook"]
 
@@ -86,18 +86,20 @@ class OneBitHookState:
 
     def __init__(
         self,
-        optimizer: OneBitAdam,
+        optimizer: OneBitOptimizer,
         process_group: dist.ProcessGroup | None = None,
         overlap: bool = True,
         record_timeline: bool = False,
         bucket_bytes: int = 25 * 2**20,
         bucket_views: bool = False,
+        comm_timeout: float | None = None,
     ):
         self.optimizer = optimizer
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.overlap = overlap
-        self.comm_group = optimizer.use_ddp_hook(process_group, overlap, bucket_bytes)
+        self.comm_group = optimizer.use_ddp_hook(process_group, overlap, bucket_bytes,
+                                                 comm_timeout)
         self.remaining: dict[MomentumUnit, int] = {}
         self.pending: dict[MomentumUnit, torch.futures.Future] = {}
         self.grads: dict[MomentumUnit, dict] = {}
@@ -130,11 +132,11 @@ class OneBitHookState:
                 self.deferred.add(unit)
                 pending.set_result(None)
                 return pending
-            opt = self.optimizer
+            opt, handoff = self.optimizer, self.optimizer.handoff
 
             def done(fut: torch.futures.Future) -> None:
                 try:
-                    opt.mark_averaged(unit, fut.value())
+                    handoff.mark_averaged(unit, fut.value())
                     pending.set_result(None)
                 except BaseException as exc:  # noqa: BLE001 - raised where DDP waits
                     pending.set_exception(exc)
@@ -161,9 +163,10 @@ def onebit_hook(
     """The comm hook (``ddp_model.register_comm_hook(state, onebit_hook)``); see the module
     docstring. Use :func:`register_onebit_hook`, which also configures the optimizer."""
     opt = state.optimizer
+    handoff = opt.handoff  # what this backward leaves for step()
     buffer = bucket.buffer()
     if opt.stage == WARMUP:
-        opt.note_reduced(bucket.parameters())  # step() refuses gradients no bucket averaged
+        handoff.note_reduced(bucket.parameters())  # step() refuses gradients no bucket averaged
         # DDP's default reduction, bits included: multiply by 1/W, then sum. Its reducer
         # multiplies each gradient by double(1) / W as it copies it into the bucket; dividing
         # by W instead rounds differently for a W that is not a power of two (at 3 ranks about
@@ -175,7 +178,7 @@ def onebit_hook(
     if not state.overlap:
         if state.bucket_views:  # p.grad itself: step() can tell whether it changed
             for p, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
-                opt.hand_over(p, grad)
+                handoff.hand_over(p, grad)
         done: torch.futures.Future = torch.futures.Future()
         done.set_result(buffer)  # local gradients: OneBitAdam.step() folds and averages them
         return done
@@ -190,7 +193,8 @@ def onebit_hook(
     waits = []
     for p, grad, unit in parts:
         if unit not in state.to_defer:  # else step() folds it
-            opt.note_local_gradient(p, grad)  # for clip_grad_norm_: p.grad will hold the average
+            # For clip_grad_norm_: p.grad will hold the average.
+            handoff.note_local_gradient(p, grad)
         pending = state.arrived(unit, p, grad, last)
         if all(pending is not w for w in waits):
             waits.append(pending)
@@ -211,7 +215,7 @@ def onebit_hook(
         # After the copies above, which count as writes to the bucket's every view.
         if state.bucket_views:
             for p, grad, _ in parts:
-                opt.hand_over(p, grad)
+                handoff.hand_over(p, grad)
         if state.record_timeline:
             state.timeline.append((bucket.index(), started, time.perf_counter()))
         return buffer
@@ -237,10 +241,11 @@ def onebit_hook(
 
 def register_onebit_hook(
     model: DistributedDataParallel,
-    optimizer: OneBitAdam,
+    optimizer: OneBitOptimizer,
     *,
     overlap: bool = True,
     record_timeline: bool = False,
+    comm_timeout: float | None = None,
 ) -> OneBitHookState:
     """Register :func:`onebit_hook` on a DDP model and hand the averaging to it.
 
@@ -249,14 +254,17 @@ def register_onebit_hook(
     ``overlap``, its momentum units are averaged inside backward, in units of DDP's bucket size
     unless the optimizer's ``bucket_cap_mb`` says otherwise.
 
+    ``comm_timeout`` (seconds) replaces the optimizer's: what an integration that did not
+    construct the optimizer passes (a ``CommunicationError`` after that long).
+
     Returns the hook state (its ``overlap`` says which path runs).
     """
     if not isinstance(model, DistributedDataParallel):
         raise ValueError(f"register_onebit_hook needs a DistributedDataParallel model, got "
                          f"{type(model).__name__}")
-    if not isinstance(optimizer, OneBitAdam):
-        raise ValueError(f"register_onebit_hook needs a onebit_plugin.OneBitAdam optimizer, got "
-                         f"{type(optimizer).__name__}")
+    if not isinstance(optimizer, OneBitOptimizer):
+        raise ValueError(f"register_onebit_hook needs an optimizer of the 1-bit family "
+                         f"(onebit_plugin.OneBitAdam), got {type(optimizer).__name__}")
     ddp_params = {p for p in model.parameters() if p.requires_grad}
     opt_params = {p for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
     if ddp_params != opt_params:
@@ -276,6 +284,6 @@ def register_onebit_hook(
                  "DistributedDataParallel(model, gradient_as_bucket_view=True) saves the copies "
                  "and lets the units the last bucket completes go to optimizer.step()")
     state = OneBitHookState(optimizer, model.process_group, overlap, record_timeline,
-                            model.bucket_bytes_cap, model.gradient_as_bucket_view)
+                            model.bucket_bytes_cap, model.gradient_as_bucket_view, comm_timeout)
     model.register_comm_hook(state, onebit_hook)
     return state

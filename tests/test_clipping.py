@@ -320,8 +320,8 @@ def _compares_worker(rank, world, clip):
     handler = logging.Handler()
     handler.emit = records.append
     logging.getLogger("onebit_plugin").addHandler(handler)
-    mark = opt.mark_averaged
-    opt.mark_averaged = lambda unit, ok: (averaged.append(unit), mark(unit, ok))
+    mark = opt.handoff.mark_averaged
+    opt.handoff.mark_averaged = lambda unit, ok: (averaged.append(unit), mark(unit, ok))
     equal = core.torch.equal
 
     def counted(a, b):

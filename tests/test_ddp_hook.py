@@ -102,8 +102,8 @@ def _views_worker(rank, world):
     opt_ddp = OneBitAdam(ddp.parameters(), lr=1e-2, freeze_step=3, bucket_cap_mb=0.001)
     state = register_onebit_hook(ddp, opt_ddp)
     in_backward = []
-    mark = opt_ddp.mark_averaged
-    opt_ddp.mark_averaged = lambda unit, ok: (in_backward.append(unit), mark(unit, ok))
+    mark = opt_ddp.handoff.mark_averaged
+    opt_ddp.handoff.mark_averaged = lambda unit, ok: (in_backward.append(unit), mark(unit, ok))
     for step in range(10):
         _step(plain, opt_plain, rank, step)
         in_backward.clear()
@@ -238,7 +238,7 @@ def _async_worker(rank, world):
 
     ddp.register_comm_hook(state, spy)
     real_submit, real_reduce = MomentumUnit.submit, type(opt.communicator)._reduce
-    mark = opt.mark_averaged
+    mark = opt.handoff.mark_averaged
 
     def submit(self, comm, grads):
         submitted.append(self)
@@ -252,7 +252,7 @@ def _async_worker(rank, world):
         marked[unit] = (time.perf_counter(), threading.current_thread() is threading.main_thread())
         mark(unit, ok)
 
-    opt.mark_averaged = marking
+    opt.handoff.mark_averaged = marking
     MomentumUnit.submit, type(opt.communicator)._reduce = submit, slow
     try:
         _step(ddp, opt, rank, 0)  # warm-up

@@ -143,13 +143,13 @@ def test_nccl_watchdog_waits_longer_than_comm_timeout(monkeypatch, backend):
 
     import torch.distributed as dist
 
-    from onebit_plugin import optimizer
+    from onebit_plugin.allreduce import new_group
 
     made = []
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
     monkeypatch.setattr(dist, "new_group", lambda ranks=None, timeout=None: made.append(timeout))
-    optimizer._new_group(None, timedelta(seconds=3))
-    optimizer._new_group(None, timedelta(seconds=100))
+    new_group(None, timedelta(seconds=3))
+    new_group(None, timedelta(seconds=100))
     if backend == "nccl":
         assert made == [timedelta(seconds=33), timedelta(seconds=200)]
     else:

@@ -96,9 +96,9 @@ def _chunked_warmup_worker(rank, world):
     last bias's gradient counts as zeros, as in one piece)."""
     import torch.distributed as dist
 
-    import onebit_plugin.optimizer as optimizer_module
+    import onebit_plugin.warmup as warmup_module
 
-    optimizer_module.WARMUP_CHUNK_BYTES = 1600
+    warmup_module.WARMUP_CHUNK_BYTES = 1600
     events, reduce = [], dist.all_reduce
 
     class Recorded:

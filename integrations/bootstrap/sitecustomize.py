@@ -2,9 +2,10 @@
 first on ``PYTHONPATH``, as ``ddtrace-run`` and ``opentelemetry-instrument`` do), the workers
 that ``accelerate launch`` or ``torchrun`` start included.
 
-Standard library only, and nothing is imported until it is needed: with ``ONEBIT_ADAM`` on,
-``accelerate`` and ``transformers.trainer`` are patched right after each has loaded
-(``onebit_plugin.integrations.autoload``). Any other ``sitecustomize`` on the path still runs.
+Standard library only, and nothing is imported until it is needed: ``accelerate`` and
+``transformers.trainer`` are patched right after each has loaded, when ``ONEBIT_ADAM`` is on
+(``onebit_plugin.integrations.autoload`` reads it, with the package's one reader of the
+``ONEBIT_*`` variables). Any other ``sitecustomize`` on the path still runs.
 """
 
 import importlib.machinery
@@ -30,9 +31,8 @@ def _patch(name: str):
     return patch
 
 
-if os.environ.get("ONEBIT_ADAM", "").strip().lower() in {"1", "true", "yes", "on"}:
-    from onebit_post_import import when_imported
+from onebit_post_import import when_imported  # noqa: E402 - beside this file
 
-    when_imported("accelerate", _patch("patch_accelerate"))
-    when_imported("transformers.trainer", _patch("patch_trainer"))
+when_imported("accelerate", _patch("patch_accelerate"))
+when_imported("transformers.trainer", _patch("patch_trainer"))
 _run_next_sitecustomize()

@@ -1,0 +1,681 @@
+"""``OneBitOptimizer``: what every member of the 1-bit family shares.
+
+An exact stage first: the member's own update (``Policy.warmup_update_``) on gradients averaged
+across ranks, by the DDP hook or here (``onebit_plugin.warmup``). When the member's policy says
+so (``Policy.stage_changes``: ``freeze_step``, or ``"auto"``) the variance is frozen and the
+compression stage begins: each rank folds its *local* gradient into the momentum, the momentum
+units (``onebit_plugin.momentum``) are averaged by the policy's exchange (1-bit, or exact) and
+every rank applies the same update (``Policy.compression_update_``). ``V = sqrt(v_hat) + eps``
+is then a fixed linear preconditioner, which is what lets error feedback cancel the compression
+error (Tang et al., 2021, Theorem 1).
+
+Around that, shared by every member: the settings (``onebit_plugin.config``, checked once), the
+hand-off with the DDP hook (``onebit_plugin.handoff``), clipping (``onebit_plugin.clipping``),
+rank checks (``onebit_plugin.rank_checks``) and checkpoints (``onebit_plugin.checkpoint``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from onebit_plugin import checkpoint, rank_checks
+from onebit_plugin.allreduce import ExactAllreduce, OneBitAllreduce, all_finite, new_group
+from onebit_plugin.allreduce import group_size_and_rank as _size_and_rank
+from onebit_plugin.clipping import clip_coefficient, compression_stage_norm
+from onebit_plugin.config import SCALE_RULES, OneBitConfig
+from onebit_plugin.freeze import AutoFreeze
+from onebit_plugin.handoff import HandOff
+from onebit_plugin.masks import keep_mask, negligible_root
+from onebit_plugin.momentum import MomentumUnit, partition
+from onebit_plugin.norm_sketch import NormSketch, sketch_width
+from onebit_plugin.policy import Policy
+from onebit_plugin.update import corrected_root
+from onebit_plugin.warmup import average_gradients, ring_bytes
+
+__all__ = ["COMPRESSION", "DEFAULT_UNIT_MB", "WARMUP", "OneBitOptimizer"]
+
+log = logging.getLogger("onebit_plugin")
+
+WARMUP = "warmup"
+COMPRESSION = "compression"
+DEFAULT_UNIT_MB = 25.0  # DDP's default bucket size
+
+
+class OneBitOptimizer(Optimizer):
+    """The base of the 1-bit family (``OneBitAdam``; docs/family.md for writing a member).
+
+    Args:
+        params: parameters or parameter groups.
+        defaults: the member's hyperparameters per group (``decoupled_weight_decay`` among them).
+        config: the settings (``onebit_plugin.config.OneBitConfig``), already checked.
+        policy: what the member decides (``onebit_plugin.policy.Policy``).
+        masks: optional ``{param: bool tensor of param's shape}``.
+        process_group: group to average over (default: the world, when initialised).
+    """
+
+    def __init__(self, params, defaults: dict, config: OneBitConfig, policy: Policy, *,
+                 masks: dict | None = None, process_group: dist.ProcessGroup | None = None):
+        super().__init__(params, defaults)
+        self.config, self.policy, self.process_group = config, policy, process_group
+        self.auto_freeze = AutoFreeze(config.total_steps) if config.freeze_step == "auto" \
+            else None
+        self._masks = {}
+        for p, m in (masks or {}).items():
+            if m.shape != p.shape:
+                raise ValueError(
+                    f"a mask has shape {tuple(m.shape)}, its parameter {tuple(p.shape)}"
+                )
+            self._masks[p] = m.to(device=p.device, dtype=torch.bool)
+        rank_checks.reject_sharded(self._trainable())
+        low = [p for p in self._trainable() if p.dtype in (torch.bfloat16, torch.float16)]
+        if low and not config.master_weights:
+            log.warning("onebit: %d parameter tensors are %s without master_weights=True: an "
+                        "update smaller than half an ulp of the value (1/256 for bf16) is "
+                        "rounded away at every step (measured: +0.4%% to +3.3%% validation loss "
+                        "against fp32 parameters; within 0.3%% with master_weights=True)",
+                        len(low), low[0].dtype)
+        devices = {p.device for p in self._trainable()}
+        if len(devices) > 1:
+            raise ValueError(
+                f"{type(self).__name__} needs all parameters on one device, got "
+                f"{sorted(map(str, devices))}"
+            )
+        self.global_step = 0
+        self.switch_step: int | None = None
+        self.skipped_steps = 0  # steps skipped on every rank for a non-finite gradient
+        self._skip_streak = 0
+        self._said_no_ceiling = self._said_late_clip = False
+        self._unit_cap_bytes = int((config.bucket_cap_mb or DEFAULT_UNIT_MB) * 2**20)
+        self._comm_group, self._group_ready = process_group, False
+        self._comm = None
+        self._units: list[MomentumUnit] | None = None
+        self._unit_of: dict[torch.Tensor, MomentumUnit] = {}
+        self._steps: torch.Tensor | None = None  # the units' step counters, one tensor
+        self._step_index: dict[torch.Tensor, int] = {}  # param: its place in _steps
+        self._rows: tuple | None = None  # per group, what the update reads (_update_rows)
+        self._saved: dict = {}  # units' errors and counters from a checkpoint, until built
+        self.handoff = HandOff()  # what backward leaves for step(), reset once per step
+        self._warmup_sent = self._warmup_dense = 0
+        self._clip_sent = 0  # the compression stage's clipping-norm allreduces
+        self._grad_flat: torch.Tensor | None = None
+        self._settings_checked = False
+        self._hook_params: set | None = None  # what the DDP hook averages, once registered
+        # Set when the first step's gradients were already identical on every rank.
+        self.averaged_elsewhere = False
+
+    # ----------------------------------------------------------------------------- properties
+    @property
+    def stage(self) -> str:
+        return WARMUP if self.switch_step is None else COMPRESSION
+
+    @property
+    def freeze_step(self) -> int | str:
+        return self.config.freeze_step
+
+    @property
+    def comm_timeout(self) -> timedelta | None:
+        t = self.config.comm_timeout
+        return None if t is None else timedelta(seconds=t)
+
+    @property
+    def world_size(self) -> int:
+        return _size_and_rank(self.process_group)[0]
+
+    @property
+    def communicator(self) -> OneBitAllreduce | ExactAllreduce:
+        """The compression stage's communicator, the policy's exchange (on the DDP hook's own
+        process group once the hook is registered)."""
+        if self._comm is None:
+            self._comm = self.policy.exchange.communicator(
+                self.comm_group, self.world_size, max_block=self.config.max_block,
+                scale=self.config.scale, timeout=self.comm_timeout)
+            self._comm.bytes_sent, self._comm.dense_bytes = self._saved.pop("counts", (0, 0))
+        return self._comm
+
+    @property
+    def units(self) -> list[MomentumUnit]:
+        """The momentum units (built at the first use in the compression stage; empty before)."""
+        if self._units is None and self.switch_step is not None:
+            self._build_units()
+        return self._units or []
+
+    def unit_of(self, p: torch.Tensor) -> MomentumUnit | None:
+        """The momentum unit that holds ``p``'s momentum (compression stage); None for a
+        parameter in none (it was not trainable when the variance froze)."""
+        self.units  # noqa: B018 - built on first use
+        return self._unit_of.get(p)
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._warmup_sent + self._compression_counts()[0] + self._clip_sent
+
+    @property
+    def dense_bytes(self) -> int:
+        return self._warmup_dense + self._compression_counts()[1]
+
+    @property
+    def compression_ratio(self) -> float:
+        """``dense_bytes / bytes_sent`` over the run so far (inf while nothing was sent; nan
+        when something else also averaged the gradients: see :attr:`averaged_elsewhere`)."""
+        if self.averaged_elsewhere:
+            return math.nan
+        return self.dense_bytes / self.bytes_sent if self.bytes_sent else math.inf
+
+    def _compression_counts(self) -> tuple[int, int]:
+        if self._comm is not None:
+            return self._comm.bytes_sent, self._comm.dense_bytes
+        return self._saved.get("counts", (0, 0))
+
+    def count_uncompressed(self, nbytes: int) -> None:
+        """Account an fp32 ring allreduce of ``nbytes`` made for this optimizer (warm-up)."""
+        sent = ring_bytes(nbytes, self.world_size)
+        self._warmup_sent += sent
+        self._warmup_dense += sent
+
+    @property
+    def comm_group(self) -> dist.ProcessGroup | None:
+        """The group of all of the optimizer's collectives: with ``comm_timeout`` (and under the
+        DDP hook) one of its own, made on every rank at the first use, whose backend timeout is
+        ``comm_timeout``, so that a process can exit after a peer fails (docs/design.md)."""
+        if not self._group_ready and self.comm_timeout is not None and self.world_size > 1:
+            self._comm_group = new_group(self.process_group, self.comm_timeout)
+        self._group_ready = True
+        return self._comm_group
+
+    def use_ddp_hook(self, process_group: dist.ProcessGroup | None, overlap: bool,
+                     bucket_bytes: int, comm_timeout: float | None = None) -> dist.ProcessGroup:
+        """Called by ``register_onebit_hook`` on every rank: DDP's hook averages warm-up
+        gradients from now on; with ``overlap`` also the units, inside backward, sized by DDP's
+        ``bucket_bytes`` unless ``bucket_cap_mb`` was given. ``comm_timeout`` (seconds): an
+        integration's, replacing the optimizer's (before the hook's group is made with it).
+        Returns :attr:`comm_group`."""
+        if comm_timeout is not None:
+            self.config = self.config.replace(comm_timeout=comm_timeout)
+        self.config = self.config.replace(average_grads=False)
+        self._hook_params = set(self._trainable())
+        if self.config.bucket_cap_mb is None and self._units is None and overlap:
+            self._unit_cap_bytes = int(bucket_bytes)
+        if not self._group_ready or self._comm_group is process_group or \
+                comm_timeout is not None:
+            self._comm_group = new_group(process_group, self.comm_timeout)
+            self._group_ready = True
+        if self._comm is not None:  # resumed before the hook existed: keep the counts
+            self._saved["counts"] = self._compression_counts()
+            self._comm = None
+        return self._comm_group
+
+    def set_total_steps(self, total_steps: int) -> None:
+        """The run's length, for ``freeze_step="auto"``'s ceiling (integrations call it)."""
+        if self.auto_freeze is not None and self.auto_freeze.total_steps is None:
+            self.auto_freeze.total_steps = int(total_steps)
+
+    # ------------------------------------------------------------------------------- clipping
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        params=None) -> torch.Tensor:
+        """Clip the averaged gradient's 2-norm to ``max_norm`` for the coming ``step()``, as
+        ``torch.nn.utils.clip_grad_norm_`` does under DDP; call it between backward and
+        ``step()`` instead of torch's (the integrations do). Returns the total norm.
+
+        Warm-up: the averaged gradients are clipped (averaged here first when the optimizer
+        averages them itself), exactly torch's clipping. Compression stage: no rank has the
+        averaged gradient; every rank takes the same coefficient from an unbiased estimate of
+        its norm (``onebit_plugin.clipping``) and ``step()`` scales the gradient inside the
+        averaged momentum by it (docs/design.md, "Clipping"). The hook sketches the gradients
+        it folds only once clipping was asked for (checkpoints remember it): a first call in
+        the compression stage under the DDP hook, whose gradients are already folded, does not
+        clip that step, returns nan and says so.
+
+        ``params``, when given, must be the optimizer's trainable parameters (a clip over a
+        subset has no compression-stage counterpart)."""
+        if norm_type != 2.0:
+            raise ValueError(f"OneBitAdam.clip_grad_norm_ clips by the 2-norm; got norm_type="
+                             f"{norm_type!r}")
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
+        trainable = self._trainable()
+        if params is not None:
+            given = {p for p in params if p.requires_grad}
+            if given != set(trainable):
+                raise ValueError(
+                    f"OneBitAdam.clip_grad_norm_ clips all of the optimizer's {len(trainable)} "
+                    f"trainable parameters together; {len(given)} were given, "
+                    f"{len(given - set(trainable))} of them not the optimizer's: in the "
+                    "compression stage only the whole gradient's norm can be clipped")
+        device = trainable[0].device if trainable else torch.device("cpu")
+        handoff = self.handoff
+        late = handoff.sketch is None and bool(handoff.averaged)  # folded, never sketched
+        self._start_sketching()
+        if self.switch_step is None:
+            if self.config.average_grads and self.world_size > 1 and not handoff.grads_averaged:
+                self._average_gradients()
+                handoff.grads_averaged = True
+            if not any(p.grad is not None for p in trainable):
+                return torch.zeros((), device=device)
+            return torch.nn.utils.clip_grad_norm_(trainable, max_norm)
+        if late:  # the same on every rank: the hook ran, and nobody had clipped, everywhere
+            if not self._said_late_clip:
+                self._said_late_clip = True
+                log.warning("onebit: clip_grad_norm_ was first called in the compression stage, "
+                            "after the DDP hook had folded this step's gradients unsketched: "
+                            "this step is not clipped (nan returned); the next ones are")
+            return torch.full((), math.nan, device=device)
+        estimate, sent = compression_stage_norm(trainable, handoff, self.world_size,
+                                                self.comm_group, self.comm_timeout, device)
+        self._clip_sent += sent
+        handoff.clip_coef = clip_coefficient(max_norm, float(estimate))
+        return estimate.reshape(())
+
+    def _start_sketching(self) -> None:
+        if self.handoff.sketch is None:  # from now on the hook sketches what it folds
+            trainable = self._trainable()
+            self.handoff.sketch = NormSketch(trainable,
+                                             sketch_width(sum(p.numel() for p in trainable)))
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Always a ``ValueError``: clamping the averaged gradient's coordinates has no
+        compression-stage counterpart (no rank holds that gradient, and clamping is not linear,
+        so it cannot be applied inside the averaged momentum as :meth:`clip_grad_norm_` is).
+        The integrations raise it where a user asks for clipping by value."""
+        raise ValueError(
+            f"gradient clipping by value ({clip_value!r}) has no 1-bit Adam counterpart: in the "
+            "compression stage no rank holds the averaged gradient whose coordinates it would "
+            "clamp. Clip by norm instead (Lightning: gradient_clip_algorithm='norm'; Fabric: "
+            "clip_gradients(max_norm=...); Accelerate: accelerator.clip_grad_norm_; your own "
+            "loop: optimizer.clip_grad_norm_)")
+
+    def _trainable(self) -> list[torch.Tensor]:
+        # Fixed order, the same on every rank: the units are cut from it.
+        return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    @torch._disable_dynamo
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "switch_step", None) is not None:
+            raise ValueError(
+                "cannot add a parameter group in the compression stage: the compressed momentum "
+                "layout was fixed when the variance froze"
+            )
+        super().add_param_group(param_group)
+        params = self.param_groups[-1]["params"]
+        if len(set(params)) != len(params):
+            # torch only warns; one parameter stepped twice per step is not Adam (its step
+            # count would advance twice), and a momentum unit would hold it twice.
+            self.param_groups.pop()
+            seen: set = set()
+            twice = next(i for i, p in enumerate(params) if p in seen or seen.add(p))
+            raise ValueError(
+                f"onebit: a parameter appears more than once in one parameter group (group "
+                f"{len(self.param_groups)}, again at #{twice}, shape "
+                f"{tuple(params[twice].shape)}); pass each parameter once")
+
+    # ----------------------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        try:
+            self._step()
+        finally:
+            self.handoff.reset()  # nothing of this iteration reaches the next
+        return loss
+
+    def _step(self) -> None:
+        trainable = self._trainable()
+        for p in trainable:
+            if p.grad is not None and p.grad.is_sparse:
+                raise ValueError(f"{type(self).__name__} does not support sparse gradients")
+        rank_checks.check_trainable(self.param_groups, trainable, self._hook_params,
+                                    set(self._unit_of) if self._units else None,
+                                    self.switch_step)
+        self.global_step += 1
+        if not self._settings_checked:
+            self._check_ranks_agree(trainable)
+        self._settings_checked = True
+        if self.switch_step is not None:
+            return self._compression_step()
+        if self.config.average_grads and self.world_size > 1 and \
+                not self.handoff.grads_averaged:
+            self._average_gradients()
+        if self._hook_params is not None:
+            rank_checks.check_reduced(self.param_groups, trainable, self.handoff.reduced)
+        self._warmup_step()
+        if self.policy.stage_changes(self.global_step - self.skipped_steps,  # applied steps
+                                     self._freeze_due):
+            self._freeze()
+
+    def _check_ranks_agree(self, params: list[torch.Tensor]) -> None:
+        rank_checks.check_launched()
+        if self.world_size == 1:
+            return
+        c = self.config
+        settings = {
+            "freeze_step": -1 if self.auto_freeze else c.freeze_step,  # -1: "auto"
+            "total_steps": self.auto_freeze.total_steps or 0 if self.auto_freeze else 0,
+            "max_block": c.max_block,
+            "scale": SCALE_RULES.index(c.scale), "bucket bytes": self._unit_cap_bytes,
+            "mask_zero_variance": int(c.mask_zero_variance),
+            "compress_momentum": int(c.compress_momentum),
+            "bound_update": int(c.bound_update), "global_step": self.global_step,
+            "master_weights": int(c.master_weights),
+            "trainable parameters": len(params),
+            "trainable values": sum(p.numel() for p in params),
+        }
+        grads = rank_checks.grad_fingerprint(
+            params, self._hook_params is not None or self.handoff.grads_averaged)
+        same = rank_checks.check_settings_agree(
+            settings, self.param_groups, params, grads, self.world_size, self.comm_group,
+            self.comm_timeout, self.global_step)
+        if same and not self.averaged_elsewhere:
+            self.averaged_elsewhere = True
+            rank_checks.say_averaged_elsewhere(self.world_size)
+
+    def _average_gradients(self) -> None:
+        params = self._trainable()
+        self._grad_flat, sent = average_gradients(params, self._grad_flat, self.comm_group,
+                                                  self.comm_timeout, self.world_size)
+        self._warmup_sent += sent
+        self._warmup_dense += ring_bytes(4 * sum(p.numel() for p in params), self.world_size)
+
+    def _warmup_step(self) -> None:
+        stepped = [p for p in self._trainable() if p.grad is not None]
+        # After averaging every rank holds the same gradients, hence the same decision.
+        if not all_finite([p.grad for p in stepped]):
+            return self._skip()
+        self._skip_streak = 0
+        self._init_states([p for p in stepped if not self.state[p]])
+        for g in self.param_groups:
+            params = [p for p in g["params"] if p.requires_grad and p.grad is not None]
+            if params:
+                states = [self.state[p] or self._init_state(p) for p in params]
+                self.policy.warmup_update_(g, params, states, [
+                    self._master(p, s) for p, s in zip(params, states, strict=True)])
+
+    def _skip(self) -> None:
+        """A step skipped on every rank (some rank's gradient was not finite): said each time,
+        and an error after ``max_skipped_steps`` in a row, never a silent stall."""
+        self.skipped_steps += 1
+        self._skip_streak += 1
+        log.warning("onebit: step %d skipped on every rank: a gradient was inf or NaN on some "
+                    "rank (%d in a row, %d in all)", self.global_step, self._skip_streak,
+                    self.skipped_steps)
+        if self._skip_streak >= self.config.max_skipped_steps:
+            raise RuntimeError(
+                f"onebit: {self._skip_streak} steps in a row were skipped for inf/NaN gradients "
+                "(the loss has diverged, or the data holds NaN): lower the learning rate, clip "
+                "gradients or check the data; max_skipped_steps sets this limit"
+            )
+
+    def _master(self, p: torch.Tensor, state: dict) -> torch.Tensor | None:
+        """``p``'s fp32 master copy with ``master_weights`` (made from ``p`` when missing: the
+        first step, or a checkpoint saved without it), else None."""
+        if not self.config.master_weights or p.dtype == torch.float32:
+            return None
+        if "master" not in state:
+            state["master"] = p.detach().float()
+        return state["master"]
+
+    def _init_state(self, p: torch.Tensor, exp_avg: torch.Tensor | None = None) -> dict:
+        state = self.state[p]
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = (torch.zeros_like(p, dtype=torch.float32) if exp_avg is None
+                            else exp_avg)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+        return state
+
+    def _init_states(self, params: list[torch.Tensor]) -> None:
+        """The state of ``params`` (none yet), their momenta back to back in one buffer in
+        the order the momentum units will lay them out: the freeze then takes that memory as
+        the units' momentum instead of copying it into new memory (``MomentumUnit``)."""
+        if len(params) < 2 or len({p.device for p in params}) > 1 or \
+                any(p.layout != torch.strided for p in params):
+            return  # each its own, in _init_state
+        order = {p: i for i, p in enumerate(
+            q for unit in partition(self._trainable(), self._unit_cap_bytes) for q in unit)}
+        params = sorted(params, key=lambda p: order.get(p, len(order)))
+        flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32,
+                           device=params[0].device)
+        for p, m in zip(params, flat.split([p.numel() for p in params]), strict=True):
+            self._init_state(p, m.view(p.shape))
+
+    # ---------------------------------------------------------------------- the stage change
+    def _freeze_due(self, applied: int) -> bool:
+        """The ``freeze_step`` rule: that step, or ``"auto"`` (``onebit_plugin.freeze``)."""
+        if self.auto_freeze is None:
+            return applied >= self.config.freeze_step
+        rank = _size_and_rank(self.process_group)[1]
+        if self.auto_freeze.total_steps is None and not self._said_no_ceiling:
+            self._said_no_ceiling = True
+            if rank == 0:  # said once per job, like the freeze itself
+                log.warning("onebit: freeze_step='auto' without total_steps: the variance freezes "
+                            "only once it has settled, which on a short run may be never (all of "
+                            "it uncompressed Adam); pass OneBitAdam(total_steps=...) "
+                            "(ONEBIT_TOTAL_STEPS for the Accelerate flag) to freeze at 20% of the "
+                            "run at the latest")
+        reason = self.auto_freeze.observe(applied, self._roots_now, negligible_root)
+        if reason is not None and rank == 0:
+            log.warning("onebit: freeze_step='auto' froze the variance after step %d: %s",
+                        applied, reason)
+        return reason is not None
+
+    def _hyper(self):
+        """Each trainable parameter with its group."""
+        for g in self.param_groups:
+            yield from ((p, g) for p in g["params"] if p.requires_grad)
+
+    def _roots_now(self) -> list[torch.Tensor]:
+        """This step's bias-corrected sqrt(v) per trainable parameter, flat (0 without state)."""
+        roots = []
+        for p, group in self._hyper():
+            state = self.state[p]
+            if not state:
+                roots.append(torch.zeros(p.numel(), dtype=torch.float32, device=p.device))
+                continue
+            roots.append(corrected_root(state["exp_avg_sq"].reshape(-1), float(state["step"]),
+                                        beta2=group["betas"][1]))
+        return roots
+
+    def _freeze(self) -> None:
+        """The end of the exact stage: fix the variance (the units are built at first use)."""
+        for p in self._trainable():
+            state = self.state[p] or self._init_state(p)  # no gradient yet: v == 0, all masked
+            # v's bias correction 1 - b2**0 would be 0 (0/0 = NaN) where v never moved.
+            # A Python number, not a tensor: Lightning moves every optimizer state tensor but
+            # "step" to the GPU on resume, and reading it per step would then sync the host.
+            state["frozen_step"] = max(float(state["step"]), 1.0)
+        self.switch_step = self.global_step
+        if _size_and_rank(self.process_group)[1] == 0:  # once per job, like the freeze
+            log.info("%s", self.switch_message())
+
+    def switch_message(self) -> str | None:
+        """The stage switch in one line, None in warm-up. Rank 0 logs it at INFO (logger
+        ``onebit_plugin``) when the variance freezes; the Lightning callback shows it too."""
+        if self.switch_step is None:
+            return None
+        how = self.policy.exchange.describe(self.world_size)
+        return (f"onebit: Adam variance frozen after step {self.switch_step}; momentum is {how} "
+                f"from step {self.switch_step + 1} on")
+
+    def _frozen_roots(self, params: list[torch.Tensor], beta2: dict) -> torch.Tensor:
+        """The bias-corrected sqrt(v) of ``params``, frozen, in one flat fp32 buffer (the one
+        that becomes their unit's denominator once eps is added)."""
+        root = torch.empty(sum(p.numel() for p in params), dtype=torch.float32,
+                           device=params[0].device)
+        for p, piece in zip(params, root.split([p.numel() for p in params]), strict=True):
+            state = self.state[p]
+            corrected_root(state["exp_avg_sq"].reshape(-1), state["frozen_step"],
+                           beta2=beta2[p], out=piece)
+        return root
+
+    def _build_units(self) -> None:
+        """Move every momentum into its unit (``state['exp_avg']`` become views) and load the
+        units' saved errors, if a checkpoint left some."""
+        hyper = {p: g for g in self.param_groups for p in g["params"]}
+        saved = self._saved.pop("units", None)
+        if saved is not None:
+            self._unit_cap_bytes = self._saved.pop("unit_cap_bytes")
+        self._units = []
+        beta2 = {p: g["betas"][1] for p, g in hyper.items()}
+        parts = partition(self._trainable(), self._unit_cap_bytes)
+        # One root per coordinate, computed into the buffer that becomes the denominator, read
+        # by the masks first: with a root per use (three) and the temporaries each made, this
+        # step took 1.3 s on each of 4 emulated hosts sharing 2 cores at 6.5M parameters,
+        # against some 0.2 s for a compression-stage step (2026-12-01, benchmarks/cluster.py).
+        roots = [self._frozen_roots(params, beta2) for params in parts]
+        zero_variance = self.config.mask_zero_variance
+        negligible = negligible_root(roots) if zero_variance else 0.0
+        # Warm-up's gradient buffer (without DDP) is resident and no longer used: the units'
+        # fold buffers are cut from it rather than from new memory (MomentumUnit's note).
+        spare, self._grad_flat, start = self._grad_flat, None, 0
+        for params, root in zip(parts, roots, strict=True):
+            local = None
+            if spare is not None and spare.device == root.device and \
+                    start + root.numel() <= spare.numel():
+                local, start = spare[start : start + root.numel()], start + root.numel()
+            keep = keep_mask(params, root, negligible, zero_variance, self._masks)
+            offset = 0
+            for p in params:
+                root[offset : offset + p.numel()].add_(hyper[p]["eps"])
+                offset += p.numel()
+            unit = MomentumUnit(params, [self.state[p]["exp_avg"] for p in params], root, keep,
+                                [hyper[p] for p in params], self.communicator, local)
+            for p in params:
+                self.state[p]["exp_avg"] = unit.view(p)
+            self._units.append(unit)
+        self._unit_of = {p: u for u in self._units for p in u.params}
+        # The step counters become views of one tensor: one add and one read a step for all of
+        # them (a foreach add, a stack and a read of some 100 scalar tensors cost ~0.7 ms).
+        trainable = self._trainable()
+        self._steps = torch.tensor([float(self.state[p]["step"]) for p in trainable],
+                                   dtype=torch.float32)
+        for p, count in zip(trainable, self._steps.unbind(), strict=True):
+            self.state[p]["step"] = count
+        self._step_index = {p: i for i, p in enumerate(trainable)}
+        self._rows = None
+        if saved is not None:
+            checkpoint.load_unit_errors(self, saved)
+
+    def _compression_step(self) -> None:
+        """Every unit the DDP hook did not average during backward is folded and averaged here,
+        now; the step is skipped on every rank if any unit came back non-finite."""
+        handoff = self.handoff
+        averaged = handoff.averaged
+        ok = True
+        for unit in self.units:
+            if unit in averaged:
+                ok &= averaged[unit]
+                continue
+            for p in unit.params:
+                if p in handoff.handed and handoff.changed(p):
+                    handoff.say_once("local")
+            # Left encoded where the CPU update pass can decode it as it reads it.
+            ok &= unit.reduce_(self.communicator, {p: p.grad for p in unit.params},
+                               decode=False)
+        if not ok:
+            return self._skip()
+        self._skip_streak = 0
+        coef = handoff.clip_coef if handoff.clip_coef is not None and handoff.clip_coef < 1 \
+            else None
+        # Some p.grad held local gradients (units left to step()) beside averaged momenta.
+        mixed = bool(averaged) and len(averaged) < len(self.units)
+        for unit in self.units:
+            # The new momentum is in the fold buffer, or still encoded (decoded by the update's
+            # pass, which copies it over the old one; the fold buffer then serves the torch
+            # passes as scratch). What reads it as a tensor first has it decoded.
+            if unit in averaged or coef is not None:
+                unit.decode_()
+                for p in unit.params:
+                    new = unit.view(p, unit.local)
+                    # The hook handed the average to DDP as p.grad (rounded to p.grad's dtype).
+                    # If something changed it since (torch's clip_grad_norm_, say), p.grad is
+                    # used, and said: the same change on every rank, as long as every p.grad
+                    # held an average. Beside local gradients it is not, and ignored.
+                    # Compared only when p.grad is not the bucket view the hook wrote last,
+                    # or was written since (a pass over both: 8 ms per 6.5M values on one
+                    # CPU thread, as much as the rest of the step's compression work).
+                    if unit in averaged and p.grad is not None and handoff.changed(p) and \
+                            not torch.equal(p.grad, new.to(p.grad.dtype)):
+                        handoff.say_once("mixed" if mixed else "momentum")
+                        if not mixed:
+                            new.copy_(p.grad)
+                    if coef is not None:
+                        unit.clip_(p, new, coef)
+        rows, counting = self._update_rows()
+        if counting is None:
+            self._steps.add_(1.0)
+        else:  # some parameters of the units are not trainable now: their counts stay
+            self._steps.index_add_(0, counting, torch.ones(counting.numel()))
+        counts = self._steps.tolist()
+        for group, params, index, units, exp_avgs, denoms in rows:
+            self.policy.compression_update_(
+                group, params, exp_avgs, denoms, [counts[i] for i in index],
+                bounded=self.config.bound_update,
+                masters=([self._master(p, self.state[p]) for p in params]
+                         if self.config.master_weights else None),
+                averaged=[u.averaged(p) for u, p in zip(units, params, strict=True)])
+
+    def _update_rows(self) -> tuple[list, torch.Tensor | None]:
+        """Per parameter group with trainable parameters: the group, its trainable parameters,
+        their step counters' places in ``_steps``, units, momenta and denominators; and the
+        places of the counters that count this step (None: all). Made again when the trainable
+        parameters change (one of them frozen since, say)."""
+        trainable = tuple(map(id, self._trainable()))
+        if self._rows is None or self._rows[0] != trainable:
+            rows = []
+            for group in self.param_groups:
+                params = [p for p in group["params"] if p.requires_grad]
+                if params:
+                    units = [self._unit_of[p] for p in params]
+                    rows.append((group, params, [self._step_index[p] for p in params], units,
+                                 [u.view(p) for u, p in zip(units, params, strict=True)],
+                                 [u.view(p, u.denom) for u, p in zip(units, params,
+                                                                       strict=True)]))
+            counting = [i for row in rows for i in row[2]]
+            self._rows = (trainable, rows, None if len(counting) == self._steps.numel() else
+                          torch.tensor(counting, dtype=torch.int64))
+        return self._rows[1:]
+
+    # ---------------------------------------------------------------------------- state dict
+    def state_dict(self) -> dict:
+        """The member's state per parameter plus the ``onebit`` entry of
+        :meth:`onebit_state_dict` (this rank's)."""
+        sd = super().state_dict()
+        sd["onebit"] = self.onebit_state_dict()
+        return sd
+
+    def onebit_state_dict(self) -> dict:
+        """What the per-parameter state does not hold: the stage, the switch step, byte
+        counters and this rank's error buffers, per momentum unit. Errors differ between ranks:
+        each rank must save its own (the Lightning strategy and the Accelerate flag do)."""
+        return checkpoint.onebit_state(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        checkpoint.load_state(self, state_dict, super().load_state_dict)
+
+    def load_onebit_state_dict(self, onebit: dict) -> None:
+        """Load an :meth:`onebit_state_dict` (after the per-parameter state is in place): also
+        how a rank puts back its own error buffers when the rest came from rank 0's
+        checkpoint."""
+        checkpoint.load_onebit_state(self, onebit)
+
+    def _forget_layout(self) -> None:
+        """After a load: the units, counters' views and this iteration are rebuilt from the new
+        state, and the ranks' settings checked again at the next step."""
+        self._units, self._unit_of = None, {}
+        self._steps = self._rows = None
+        self.handoff.reset()
+        self._settings_checked = False
+
+    def __getstate__(self) -> dict:
+        # torch's Optimizer pickles only defaults, state and param_groups; keep ours too, less
+        # the process groups (an unpickled optimizer runs on the default group).
+        return {**self.__dict__, "process_group": None, "_comm_group": None,
+                "_group_ready": False}

@@ -1,0 +1,128 @@
+"""Checkpoint I/O of the family's base: the per-parameter state kept in fp32 through torch's
+loading, and the ``onebit`` entry (stage, counters and this rank's error buffers per momentum
+unit). Each rank's errors differ: each rank saves its own and loads its own (the integrations
+carry every rank's beside rank 0's checkpoint, ``integrations/rank_states.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from onebit_plugin.allreduce import group_size_and_rank
+
+__all__ = ["load_onebit_state", "load_state", "load_unit_errors", "onebit_state"]
+
+log = logging.getLogger("onebit_plugin")
+
+
+def onebit_state(opt) -> dict:
+    """``opt.onebit_state_dict()``."""
+    units = ([u.state_dict() for u in opt._units] if opt._units is not None
+             else opt._saved.get("units"))
+    return {"global_step": opt.global_step, "freeze_step": opt.freeze_step,
+            "auto_freeze": (opt.auto_freeze.state_dict()
+                            if opt.auto_freeze is not None and opt.switch_step is None
+                            else None),
+            "switch_step": opt.switch_step, "skipped_steps": opt.skipped_steps,
+            "world_size": opt.world_size,
+            "rank": group_size_and_rank(opt.process_group)[1],
+            "unit_cap_bytes": opt._unit_cap_bytes,
+            "warmup_counts": (opt._warmup_sent, opt._warmup_dense),
+            "clip_bytes": opt._clip_sent, "clipping": opt.handoff.sketch is not None,
+            "compression_counts": opt._compression_counts(), "units": units}
+
+
+def load_state(opt, state_dict: dict, torch_load) -> None:
+    """``opt.load_state_dict(state_dict)``; ``torch_load``: torch's ``Optimizer`` loader."""
+    onebit = state_dict.get("onebit")
+    # torch casts loaded state to each param's dtype; keep our fp32 state fp32.
+    saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    own = [p for g in opt.param_groups for p in g["params"]]
+    fp32 = {
+        p: {k: v for k, v in state_dict["state"].get(i, {}).items() if torch.is_tensor(v)}
+        for i, p in zip(saved_ids, own, strict=False)
+    }
+    torch_load(state_dict)
+    if not opt.config.master_weights and any("master" in t for t in fp32.values()):
+        # A stale master would come back, overwriting every update since, the day this
+        # state is loaded with master_weights=True: dropped, and said.
+        log.warning("onebit: the checkpoint holds fp32 master copies of low-precision "
+                    "parameters, this OneBitAdam has master_weights=False: they are dropped "
+                    "and the parameters continue from their own (rounded) values")
+        for tensors in fp32.values():
+            tensors.pop("master", None)
+        for p in fp32:
+            opt.state[p].pop("master", None)
+    for p, tensors in fp32.items():
+        for k, v in tensors.items():
+            # Step counters stay on the CPU (as torch's Adam keeps them), so that reading
+            # them never syncs with a GPU, whatever map_location loaded them to;
+            # frozen_step is a number (a tensor in checkpoints of 0.x).
+            opt.state[p][k] = (float(v) if k == "frozen_step" else
+                               v.to(device="cpu" if k == "step" else p.device, copy=True))
+    opt._forget_layout()
+    if onebit is not None:
+        load_onebit_state(opt, onebit)
+
+
+def load_onebit_state(opt, onebit: dict) -> None:
+    """``opt.load_onebit_state_dict(onebit)``."""
+    if "units" not in onebit:
+        raise ValueError("this OneBitAdam state was saved by an older onebit-plugin "
+                         "(no momentum units); resume it with that version")
+    saved_world = onebit["world_size"]
+    if onebit["switch_step"] is not None and saved_world != opt.world_size:
+        raise ValueError(
+            f"this OneBitAdam state was saved in the compression stage by {saved_world} "
+            f"ranks and is loaded by {opt.world_size}: its error buffers are sharded per "
+            "rank; resume with the same world size"
+        )
+    if onebit["freeze_step"] != opt.freeze_step:
+        log.warning(
+            "onebit: the checkpoint has freeze_step=%s, this optimizer %s: %s",
+            onebit["freeze_step"], opt.freeze_step,
+            f"it is ignored, the variance was frozen after step {onebit['switch_step']}"
+            if onebit["switch_step"] is not None else "the new value applies")
+    opt.global_step = int(onebit["global_step"])
+    opt.switch_step = onebit["switch_step"]
+    auto = onebit.get("auto_freeze")
+    if opt.auto_freeze is not None and auto is not None:  # resumed mid warm-up
+        opt.auto_freeze.load_state_dict(auto, [p.device for p in opt._trainable()])
+    opt.skipped_steps = int(onebit["skipped_steps"])
+    opt._warmup_sent, opt._warmup_dense = onebit["warmup_counts"]
+    opt._clip_sent = int(onebit.get("clip_bytes", 0))  # absent before 2026-12-01
+    if onebit.get("clipping"):  # so that the hook sketches the first resumed step too
+        opt._start_sketching()
+    opt._comm = None
+    opt._saved = {"counts": tuple(onebit["compression_counts"])}
+    if onebit["units"] is not None:
+        # Whose errors they are is checked when the units take them (load_unit_errors): the
+        # integrations load rank 0's whole state first, then each rank's own errors.
+        opt._saved.update(units=onebit["units"], unit_cap_bytes=onebit["unit_cap_bytes"],
+                          rank=onebit.get("rank"))  # absent in states saved before this field
+    opt._forget_layout()
+
+
+def load_unit_errors(opt, saved: list[dict]) -> None:
+    """Give the units just built their saved error buffers, if this rank saved them."""
+    if len(saved) != len(opt._units):
+        raise ValueError(f"the checkpoint holds {len(saved)} momentum units, this "
+                         f"optimizer has {len(opt._units)}")
+    rank = group_size_and_rank(opt.process_group)[1]
+    saved_by = opt._saved.pop("rank", None)
+    errors = any(set(state) - {"numel"} for state in saved)  # none when exact
+    if errors and saved_by is not None and saved_by != rank:
+        log.warning(
+            "onebit: rank %d resumes from a OneBitAdam state that rank %d saved in the "
+            "compression stage: its error buffers are rank %d's (every rank's differ) and are "
+            "not loaded; this rank's error feedback restarts from zero, so the run is not the "
+            "uninterrupted one. Save every rank's optimizer.onebit_state_dict() and load each "
+            "rank's own with load_onebit_state_dict() after load_state_dict() (the Lightning "
+            "and Fabric strategies, onebit-run's Accelerate flag and Trainer patch do; "
+            "examples/train_torchrun.py --ckpt-dir shows it in a plain loop)",
+            rank, saved_by, saved_by)
+        return  # the errors stay zero
+    for unit, state in zip(opt._units, saved, strict=True):
+        unit.load_state_dict(state)

@@ -1,0 +1,48 @@
+"""Clipping by the averaged gradient's 2-norm in the compression stage, where no rank holds that
+gradient (docs/design.md, "Clipping"): the norm is estimated without bias from a sketch of each
+rank's local gradient (``onebit_plugin.norm_sketch``: one allreduce of 256-4096 values, a few
+percent of error), the same on every rank, and ``step()`` scales the gradient inside the averaged
+momentum by ``max_norm / norm``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from onebit_plugin.allreduce import wait_collectives
+from onebit_plugin.handoff import HandOff
+from onebit_plugin.norm_sketch import squared_norm
+from onebit_plugin.warmup import ring_bytes
+
+__all__ = ["clip_coefficient", "compression_stage_norm"]
+
+
+def compression_stage_norm(trainable: list[torch.Tensor], handoff: HandOff, world: int, group,
+                           timeout, device) -> tuple[torch.Tensor, int]:
+    """The averaged gradient's 2-norm (exact on one rank, estimated from the ranks' sketches
+    on several) and the bytes this rank sent for it. The local gradients are those the DDP hook
+    noted in ``handoff``, else ``p.grad``."""
+    # Per parameter, in the same order on every path: the same bits whoever folded.
+    local = [p for p in trainable if p in handoff.local_norms or p.grad is not None]
+    if world == 1:  # the local gradient is the gradient: its norm is exact
+        norms = [handoff.local_norms.get(p, None) for p in local]
+        norms = [n if n is not None else torch.linalg.vector_norm(p.grad, dtype=torch.float32)
+                 for n, p in zip(norms, local, strict=True)]
+        return (torch.linalg.vector_norm(torch.stack(norms)) if norms
+                else torch.zeros((), device=device)), 0
+    sketch = torch.zeros(handoff.sketch.width, device=device)
+    if local:
+        sketch = torch.stack([handoff.sketches[p] if p in handoff.sketches
+                              else handoff.sketch.of(p, p.grad) for p in local]).sum(0)
+    work = dist.all_reduce(sketch, group=group, async_op=True)
+    wait_collectives([work], timeout, "the clipping norm's allreduce", group)
+    return squared_norm(sketch.div_(world)).sqrt(), ring_bytes(sketch.nbytes, world)
+
+
+def clip_coefficient(max_norm: float, norm: float) -> float | None:
+    """torch's coefficient ``min(1, max_norm / (norm + 1e-6))``; None for a non-finite norm
+    (``step()`` skips that step on every rank anyway)."""
+    return min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(norm) else None

@@ -1,0 +1,113 @@
+"""What a member of the 1-bit family decides, as a small policy over the shared base
+(``onebit_plugin.base.OneBitOptimizer``), in the manner of torchao's optimizers (thin classes
+over a base, pure update functions in ``onebit_plugin.update``). docs/family.md shows how a member
+is written.
+
+A policy answers three questions, and the base does everything else (parameter groups and
+state, the exact warm-up's averaging, momentum units, communicators, the DDP hook's hand-off,
+clipping, rank checks, checkpoints):
+
+* what is exchanged in the compression stage: its :class:`Exchange` (the 1-bit allreduce, or an
+  exact one for the ablation ``compress_momentum=False``);
+* how the update is made: :meth:`Policy.warmup_update_` on averaged gradients and
+  :meth:`Policy.compression_update_` from the averaged momentum and the frozen denominator;
+* when the stage changes: :meth:`Policy.stage_changes` (by default the member's
+  ``freeze_step``, or ``"auto"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from onebit_plugin.allreduce import ExactAllreduce, OneBitAllreduce
+from onebit_plugin.update import adam_update_, frozen_update_
+
+__all__ = ["AdamPolicy", "ExactMomentum", "Exchange", "OneBitMomentum", "Policy"]
+
+
+class Exchange:
+    """What the compression stage sends for each momentum unit."""
+
+    #: the stage switch's line says the momentum is "{describe}" from then on
+    def describe(self, world: int) -> str:
+        raise NotImplementedError
+
+    def communicator(self, group, world: int, *, max_block: int, scale: str, timeout):
+        """The communicator that averages the units (``onebit_plugin.allreduce``)."""
+        raise NotImplementedError
+
+
+class OneBitMomentum(Exchange):
+    """The momentum as 1-bit signs with worker and server error feedback (Tang et al., 2021).
+    A single process has nothing to send: exact, so it is the member with a frozen variance."""
+
+    def describe(self, world: int) -> str:
+        if world > 1:
+            return "exchanged as 1-bit signs"
+        return ExactMomentum().describe(world)
+
+    def communicator(self, group, world: int, *, max_block: int, scale: str, timeout):
+        if world > 1:
+            return OneBitAllreduce(group, max_block=max_block, scale=scale, timeout=timeout)
+        return ExactMomentum().communicator(group, world, max_block=max_block, scale=scale,
+                                            timeout=timeout)
+
+
+class ExactMomentum(Exchange):
+    """The momentum averaged by an exact fp32 allreduce: the ablation that separates freezing
+    the variance from compressing (``compress_momentum=False``)."""
+
+    def describe(self, world: int) -> str:
+        return "averaged exactly in fp32 (compress_momentum=False or one process)"
+
+    def communicator(self, group, world: int, *, max_block: int, scale: str, timeout):
+        return ExactAllreduce(group, timeout=timeout)
+
+
+class Policy:
+    """A member's decisions; subclass it and give the base an instance."""
+
+    def __init__(self, exchange: Exchange):
+        self.exchange = exchange
+
+    def warmup_update_(self, group: dict, params: list[torch.Tensor], states: list[dict],
+                       masters: list[torch.Tensor | None]) -> None:
+        """The exact stage's update of ``params`` (one parameter group's, each with a finite
+        averaged ``p.grad``): advances each ``state["step"]``, updates ``exp_avg`` and
+        ``exp_avg_sq`` and the parameters (through ``masters`` where given)."""
+        raise NotImplementedError
+
+    def compression_update_(self, group: dict, params: list[torch.Tensor], exp_avgs, denoms,
+                            counts: list[float], *, bounded: bool, masters, averaged) -> None:
+        """The compression stage's update of ``params``: ``averaged`` (the averaged momenta,
+        or their parts still encoded) becomes ``exp_avgs``, and the parameters move by it over
+        the frozen ``denoms`` (sqrt(v_hat) + eps); ``counts``: their step counts."""
+        raise NotImplementedError
+
+    def stage_changes(self, applied: int, freeze_due: Callable[[int], bool]) -> bool:
+        """After applied step ``applied`` of the exact stage: whether the compression stage
+        starts now. ``freeze_due``: the member's ``freeze_step`` rule (a fixed step or
+        ``"auto"``)."""
+        return freeze_due(applied)
+
+
+class AdamPolicy(Policy):
+    """1-bit Adam: Adam (or AdamW) during the warm-up, then Adam with a frozen variance."""
+
+    def warmup_update_(self, group, params, states, masters) -> None:
+        counts = [state["step"] for state in states]
+        torch._foreach_add_(counts, 1.0)
+        adam_update_(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                     [s["exp_avg_sq"] for s in states], [c.item() for c in counts],
+                     lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
+                     eps=group["eps"], weight_decay=group["weight_decay"],
+                     decoupled=group["decoupled_weight_decay"], masters=masters)
+
+    def compression_update_(self, group, params, exp_avgs, denoms, counts, *, bounded, masters,
+                            averaged) -> None:
+        frozen_update_(params, exp_avgs, denoms, counts, lr=group["lr"],
+                       beta1=group["betas"][0], weight_decay=group["weight_decay"],
+                       decoupled=group["decoupled_weight_decay"], bounded=bounded,
+                       masters=masters, averaged=averaged)

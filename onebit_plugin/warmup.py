@@ -1,0 +1,79 @@
+"""The exact warm-up's gradient average, for a family member that averages by itself (no DDP):
+the mean of every trainable gradient over the ranks, the same numbers as DDP's, in fp32
+allreduces of ``WARMUP_CHUNK_BYTES`` all started before the first is waited on.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from onebit_plugin.allreduce import wait_collectives
+
+__all__ = ["WARMUP_CHUNK_BYTES", "average_gradients", "ring_bytes"]
+
+# Without DDP the warm-up allreduce goes in chunks of this many fp32 bytes, all started at once:
+# the copy of the next chunk's gradients and the division of the last one's means overlap the
+# transfer; in one piece those two passes came on top of it. A warm-up step on the 6.5M values
+# of benchmarks/cluster.py's GPT, 4 emulated hosts at 1 Gbit/s: 422-430 ms in one allreduce,
+# 408 in 4 MiB chunks, 409-413 in 8, 417-420 in 2, 490-503 in 1 (why 1 MiB is slower was not
+# looked into); medians of 40 steps, benchmarks/collective_patterns.py, 2026-12-01.
+WARMUP_CHUNK_BYTES = 4 * 2**20
+
+
+def ring_bytes(nbytes: int, world: int) -> int:
+    """Bytes one rank sends in a bandwidth-optimal (ring) allreduce of ``nbytes``."""
+    return math.ceil(2 * (world - 1) / world * nbytes)
+
+
+def average_gradients(params: list[torch.Tensor], flat: torch.Tensor | None, group,
+                      timeout, world: int) -> tuple[torch.Tensor, int]:
+    """Replace each ``p.grad`` of ``params`` by its mean over the ranks (zeros where a rank has
+    none), with a has-gradient flag per parameter so that all ranks agree on which params step.
+    ``flat``: the buffer of the last call, reused when it fits. Returns the buffer and the
+    bytes this rank sent."""
+    sizes = [p.numel() for p in params]
+    total, head = sum(sizes), len(params)
+    if flat is None or flat.numel() != head + total:
+        flat = torch.empty(head + total, dtype=torch.float32, device=params[0].device)
+    flat[:head] = torch.tensor([float(p.grad is not None) for p in params])
+    views = flat[head:].split(sizes)
+    chunks = _chunks(sizes, head, WARMUP_CHUNK_BYTES // 4)
+    works = []
+    for start, end, lo, hi in chunks:
+        for p, view in zip(params[lo:hi], views[lo:hi], strict=True):
+            view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
+        works.append(dist.all_reduce(flat[start:end], group=group, async_op=True))
+    sent, present = 0, None
+    for work, (start, end, lo, hi) in zip(works, chunks, strict=True):
+        wait_collectives([work], timeout, "the warm-up gradient allreduce", group)
+        sent += ring_bytes(4 * (end - start), world)
+        if present is None:  # the flags travel in the first chunk
+            present = flat[:head].tolist()
+        for p, view, there in zip(params[lo:hi], views[lo:hi], present[lo:hi], strict=True):
+            if p.grad is not None and p.grad.dtype == torch.float32:
+                # The mean straight into p.grad: one pass fewer over the gradients than
+                # dividing in place and copying (the same division, the same bits).
+                torch.div(view.view_as(p), world, out=p.grad)
+            elif p.grad is not None:
+                p.grad.copy_(view.div_(world).view_as(p))
+            elif there:  # another rank had one
+                p.grad = view.div_(world).view_as(p).to(p.dtype, copy=True)
+    return flat, sent
+
+
+def _chunks(sizes: list[int], head: int, cap: int) -> list[tuple[int, int, int, int]]:
+    """``(start, end, lo, hi)`` per chunk of a flat buffer holding ``head`` values, then tensors
+    of ``sizes`` values back to back: values ``start:end``, tensors ``lo:hi``. Cut between
+    tensors after about ``cap`` values (a larger tensor is a chunk of its own); the first chunk
+    holds the head."""
+    out, start, end, lo = [], 0, head, 0
+    for i, n in enumerate(sizes):
+        if i > lo and end - start + n > cap:
+            out.append((start, end, lo, i))
+            start, lo = end, i
+        end += n
+    out.append((start, end, lo, len(sizes)))
+    return out
