@@ -18,24 +18,28 @@ configuration in turn:
                       baseline, Lightning's loop included (only with --configs)
 
 Without root (or without ``ip``) it says so and runs all ranks over loopback instead. Results:
-``benchmarks/results/cluster_<workload>.json`` and ``.csv``, a markdown table on stdout, and
-plots ``docs/cluster_<workload>_loss.png`` / ``_bytes.png`` (docs/benchmarks.md shows them; with
-``--tag`` they go beside the results instead). The namespaces are removed afterwards, also on
-failure.
+a markdown table on stdout, one record appended to ``benchmarks/results/cluster.jsonl``
+(benchmarks/record.py: date, commit, machine, versions, command; every configuration's record,
+the table) and plots ``docs/cluster_<workload>_loss.png`` / ``_bytes.png`` (docs/benchmarks.md
+shows them; a run with ``--tag``, an experiment, leaves them alone and puts its plots in the
+temporary folder). The namespaces are removed afterwards, also on failure.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from record import append_run, shown  # noqa: E402 - benchmarks/record.py
+
 from tests import netns  # noqa: E402
 
 WORKER = ROOT / "benchmarks" / "cluster_worker.py"
@@ -230,7 +234,7 @@ def report(records: dict, args, network: str) -> str:
     return "\n".join(lines)
 
 
-def plot(records: dict, workload: str, out_dir: Path) -> list[Path]:
+def plot(records: dict, workload: str, out_dir: Path, tag: str = "") -> list[Path]:
     try:
         import matplotlib
 
@@ -247,7 +251,7 @@ def plot(records: dict, workload: str, out_dir: Path) -> list[Path]:
     ax.set_ylabel("validation loss")
     ax.set_title(f"{workload}: validation loss against training time")
     ax.legend()
-    loss_path = out_dir / f"cluster_{workload}_loss.png"
+    loss_path = out_dir / f"cluster_{workload}{tag}_loss.png"
     fig.tight_layout()
     fig.savefig(loss_path, dpi=110)
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -260,7 +264,7 @@ def plot(records: dict, workload: str, out_dir: Path) -> list[Path]:
     ax.set_yscale("log")
     ax.set_title(f"{workload}: bytes on the wire per step")
     ax.legend()
-    bytes_path = out_dir / f"cluster_{workload}_bytes.png"
+    bytes_path = out_dir / f"cluster_{workload}{tag}_bytes.png"
     fig.tight_layout()
     fig.savefig(bytes_path, dpi=110)
     return [loss_path, bytes_path]
@@ -277,7 +281,9 @@ def main() -> None:
     p.add_argument("--freeze-step", type=int, default=25)
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--tag", default="", help="suffix of the result and plot file names")
+    p.add_argument("--tag", default="",
+                   help="a label for the run, kept in its record (benchmarks/results/"
+                        "cluster.jsonl); a tagged run leaves docs/'s plots alone")
     p.add_argument("--repeats", type=int, default=1,
                    help="run the configurations round-robin this many times; step times are "
                         "the median over the rounds (this VM's speed drifts by 10-20%% between "
@@ -289,8 +295,15 @@ def main() -> None:
         p.error(f"--configs: unknown {sorted(unknown)}; known: {', '.join(ALL + EXTRA)}")
     if configs[0] != "adam":
         configs.insert(0, "adam") if "adam" not in configs else None
-    results_dir = ROOT / "benchmarks" / "results"
-    results_dir.mkdir(parents=True, exist_ok=True)
+    # Each configuration's rank 0 writes its record here; they are merged into one run record.
+    scratch = Path(tempfile.mkdtemp(prefix=f"onebit-cluster-{args.workload}-"))
+    try:
+        run_and_record(args, configs, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def run_and_record(args, configs: list[str], scratch: Path) -> None:
     reason = netns.available()
     started = time.time()
     rounds: dict[str, list[dict]] = {config: [] for config in configs}
@@ -299,7 +312,7 @@ def main() -> None:
         for round_ in range(args.repeats):
             for config in configs:
                 rounds[config].append(run_config(
-                    config, hosts, args, results_dir / f"_{args.workload}_{config}.json"))
+                    config, hosts, args, scratch / f"_{args.workload}_{config}.json"))
                 print(f"{config} (round {round_ + 1}): done after {time.time() - started:.0f} s",
                       flush=True)
 
@@ -315,22 +328,12 @@ def main() -> None:
     records = {config: merge_rounds(runs) for config, runs in rounds.items()}
     table = report(records, args, network)
     print(table)
-    out = results_dir / f"cluster_{args.workload}{args.tag}"
-    out.with_suffix(".json").write_text(json.dumps(
-        {"args": vars(args), "network": network, "records": records, "table": table}, indent=1))
-    with open(out.with_suffix(".csv"), "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["run", "stage", "mean_step_s", "bytes_per_step", "final_val_loss"])
-        for name, r in records.items():
-            for stage, seconds in r["mean_step_s"].items():
-                writer.writerow([name, stage, seconds, r["bytes_per_step"][stage],
-                                 r["final_val_loss"]])
-    for path in (out.with_suffix(".json"), out.with_suffix(".csv"),
-                 *plot(records, args.workload + args.tag,
-                       results_dir if args.tag else ROOT / "docs")):
-        print(f"wrote {path.relative_to(ROOT)}")
-    for tmp in results_dir.glob(f"_{args.workload}_*.json"):
-        tmp.unlink()
+    path = append_run("cluster", None, {"args": vars(args), "network": network,
+                                        "records": records, "table": table})
+    print(f"appended the run to {shown(path)}")
+    plot_dir = Path(tempfile.gettempdir()) if args.tag else ROOT / "docs"
+    for written in plot(records, args.workload, plot_dir, args.tag):
+        print(f"wrote {shown(written)}")
     print(f"total {time.time() - started:.0f} s")
 
 

@@ -17,7 +17,8 @@ copies too); no compression runs. Then a warm-up ``OneBitAdam.step()`` without D
 gradients of benchmarks/cluster.py's communication-bound GPT (6,458,112 values in 102 tensors),
 with ``onebit_plugin.optimizer.WARMUP_CHUNK_BYTES`` at 1 GiB (one allreduce, as before
 2026-12-01 21:00 UTC) and 1-16 MiB (4 MiB: the default), interleaved. The namespaces are
-removed afterwards.
+removed afterwards. Each run appends one record to ``benchmarks/results/collective_patterns.jsonl``
+(benchmarks/record.py).
 """
 
 from __future__ import annotations
@@ -143,14 +144,19 @@ def main() -> None:
         return rank_main(args.calls)
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from emulated import run_ranks
+    from record import append_run, shown
 
     me = [str(Path(__file__).resolve()), "--rank", "--calls", str(args.calls)]
     network, outputs = run_ranks(me, args.hosts, args.rate, port=29640, timeout=600)
     line = next(x for out in outputs for x in out.splitlines() if x.startswith("RESULT "))
     print(f"{args.hosts} hosts, {network}; median ms of "
           f"{args.calls} calls, round 1 / round 2 (the layouts interleaved):")
-    for name, medians in json.loads(line[len("RESULT "):]).items():
+    measured = json.loads(line[len("RESULT "):])
+    for name, medians in measured.items():
         print(f"  {name}: " + " / ".join(f"{m:.2f}" for m in medians))
+    out = append_run("collective_patterns", None, {
+        "hosts": args.hosts, "network": network, "calls": args.calls, "median_ms": measured})
+    print(f"appended the run to {shown(out)}")
 
 
 if __name__ == "__main__":

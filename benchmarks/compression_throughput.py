@@ -8,7 +8,8 @@ Times each stage of one compressed allreduce on ``--threads`` threads (1 by defa
 communication: the worker pass over the whole tensor, the server pass over one chunk (W
 senders), the final decode, and a plain fp32 copy of the same tensor for reference (read n*4 +
 write n*4 bytes). Prints ms and GB/s counted as the fp32 bytes the stage reads and writes, and
-the ratio to the copy; checks that both backends gave the same bits.
+the ratio to the copy; checks that both backends gave the same bits. Each run appends one record
+to ``benchmarks/results/compression_throughput.jsonl`` (benchmarks/record.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import time
 
 import torch
+from record import append_run, shown  # benchmarks/record.py
 
 from onebit_plugin import compression as C
 
@@ -78,6 +80,7 @@ def main() -> None:
           "copy of the same tensor timed in turn with it\n")
     print("| stage | C (ms) | C vs copy | torch (ms) | torch vs copy | C speed-up | copy GB/s |")
     print("|---|---|---|---|---|---|---|")
+    measured = {}
     for name, fn, nbytes in stages:
         times = bench({"copy": lambda: dst.copy_(x), "cpu": lambda fn=fn: fn("cpu"),
                        "torch": lambda fn=fn: fn("torch")}, args.repeat)
@@ -86,13 +89,20 @@ def main() -> None:
         print(f"| {name} | {times['cpu'] * 1e3:.2f} | {ratio['cpu']:.2f} | "
               f"{times['torch'] * 1e3:.2f} | {ratio['torch']:.2f} | "
               f"{times['torch'] / times['cpu']:.1f}x | {copy_gbs:.1f} |")
+        measured[name] = {"cpu_ms": times["cpu"] * 1e3, "cpu_vs_copy": ratio["cpu"],
+                          "torch_ms": times["torch"] * 1e3, "torch_vs_copy": ratio["torch"],
+                          "cpu_speedup": times["torch"] / times["cpu"], "copy_gbs": copy_gbs}
     same = []
     for backend in ("cpu", "torch"):
         e = torch.zeros(lay.padded_numel)
         C.worker_compress(x, e, mask, lay, packed, scales, buf, backend=backend)
         same.append((packed.clone(), scales.clone(), e))
-    print(f"\nsame bits (worker pass, fresh errors): "
-          f"{all(torch.equal(a, b) for a, b in zip(*same, strict=True))}")
+    same_bits = all(torch.equal(a, b) for a, b in zip(*same, strict=True))
+    print(f"\nsame bits (worker pass, fresh errors): {same_bits}")
+    out = append_run("compression_throughput", None, {
+        "numel": n, "world": args.world, "block": lay.block, "threads": args.threads,
+        "repeat": args.repeat, "stages": measured, "same_bits": same_bits})
+    print(f"appended the run to {shown(out)}")
 
 
 if __name__ == "__main__":

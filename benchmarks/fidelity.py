@@ -11,8 +11,10 @@ Workloads (offline data only):
 Every variant runs the same model, seed, data order and steps under DDP (1-bit Adam through
 ``register_onebit_hook``, fp16 and PowerSGD through torch's own DDP hooks). Bytes are what each
 rank's process wrote during training, from ``/proc/self/io`` (the kernel's count, gloo's socket
-writes included), not the package's counters. Writes ``benchmarks/results/fidelity.json``, a
-markdown table on stdout and ``docs/fidelity_loss_vs_bytes.png``.
+writes included), not the package's counters. Appends one record (benchmarks/record.py: date,
+commit, machine, versions, command; every run's row and the table) to
+``benchmarks/results/fidelity.jsonl``, prints a markdown table and draws
+``docs/fidelity_loss_vs_bytes.png``.
 
     .venv/bin/python benchmarks/fidelity.py            # make fidelity: about 25 minutes, 2 cores
 """
@@ -42,6 +44,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT))
 
 from charlm import CharGPT, evaluate, load_corpus, loss_fn, sample_batch  # noqa: E402
+from record import append_run, shown  # noqa: E402 - benchmarks/record.py
 from wire import written  # noqa: E402
 
 STEPS = 240
@@ -336,7 +339,9 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--variants", default=",".join(VARIANTS))
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fidelity.json"))
+    p.add_argument("--out", default=None,
+                   help="also write the rows to this JSON file (the run's record goes to "
+                        "benchmarks/results/fidelity.jsonl in any case)")
     p.add_argument("--plot", default=str(ROOT / "docs" / "fidelity_loss_vs_bytes.png"))
     args = p.parse_args()
     rows = []
@@ -349,11 +354,15 @@ def main() -> None:
                 rows.append(r)
                 print(f"{workload:10s} {variant:12s} seed {seed}: val {r['val_loss']:.4f} "
                       f"{r['bytes'] / 2**20:8.2f} MiB/rank  {r['seconds']:.0f} s", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=1))
-    print(summarize(rows))
+    table = summarize(rows)
+    saved = [shown(append_run("fidelity", None, {"rows": rows, "table": table}))]
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+        saved.append(args.out)
+    print(table)
     plot(rows, Path(args.plot))
-    print(f"{time.perf_counter() - began:.0f} s; {args.out}, {args.plot}")
+    print(f"{time.perf_counter() - began:.0f} s; {', '.join(saved)}, {args.plot}")
 
 
 if __name__ == "__main__":

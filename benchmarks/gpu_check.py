@@ -13,8 +13,12 @@
    under the DDP hook (the background thread, its side stream and the hook's copy-back), ranks
    identical.
 
-Each part reports what it saw and goes on if it fails; the JSON holds every figure. Also runs on
-the CPU under ``TRITON_INTERPRET=1`` (``--device cpu --quick``) to check the script itself.
+Each part reports what it saw and goes on if it fails; the JSON holds every figure: the report
+in ``--out``/gpu_check.json, and one record of the run (benchmarks/record.py: date, commit,
+machine, versions, command, the report) appended to ``benchmarks/results/gpu_check.jsonl`` and
+written alone to ``--out``/gpu_check_record.json (on a machine whose tree is a copy, that line
+is the one to bring back and append). Also runs on the CPU under ``TRITON_INTERPRET=1``
+(``--device cpu --quick``) to check the script itself.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import traceback
 import warnings
 
 import torch
+from record import append_run, read_runs, shown  # benchmarks/record.py
 
 from onebit_plugin import compression as ref
 from onebit_plugin.compression import ChunkLayout, CoordinateMask
@@ -323,7 +328,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--quick", action="store_true", help="small sizes (a CPU check of the script)")
-    p.add_argument("--out", default="gpu_check_out")
+    p.add_argument("--out", default="gpu_check_out",
+                   help="folder of the report, the record and gpu_check.sh's log")
     args = p.parse_args()
     device = torch.device(args.device)
     from onebit_plugin import kernels
@@ -359,6 +365,10 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
         json.dump(report, f, indent=1)
+    path = append_run("gpu_check", None, report)
+    with open(os.path.join(args.out, "gpu_check_record.json"), "w") as f:
+        f.write(json.dumps(read_runs("gpu_check")[-1], separators=(",", ":")) + "\n")
+    print(f"gpu_check: the run appended to {shown(path)}", flush=True)
     bad = [r for r in report.get("kernels", []) + report.get("kernels_over_2_31", [])
            if isinstance(r, dict) and not r.get("ok")]
     print(f"gpu_check: {len(bad)} kernel case(s) failed; report in {args.out}/gpu_check.json")

@@ -27,7 +27,9 @@ first of the compression stage (the units built). The Lightning strategy runs th
 Lightning's loop and cannot be interleaved this way; cluster.py measures it against
 ``Trainer(strategy="ddp")`` with ``--configs adam,lightning_adam,onebit_lightning``.
 
-Results: a table on stdout and ``benchmarks/results/paired_<workload><tag>.json``.
+Results: a table on stdout and one record appended to ``benchmarks/results/paired_steps.jsonl``
+(benchmarks/record.py: date, commit, machine, versions, command; the summary, the table and every
+iteration's step times).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from cluster import WORKLOADS  # noqa: E402 - cluster.py's two workloads, one definition
+from record import append_run, shown  # noqa: E402 - benchmarks/record.py
 
 PATHS = ("adam", "onebit_hook", "onebit_hook_sync", "onebit_plain")
 # For taking a gap apart (--paths): DDP + Adam with the hook paths' gradient_as_bucket_view,
@@ -192,7 +195,9 @@ def main() -> None:
                    help="iterations after the freeze (default: 50 for comm, 300 for compute)")
     p.add_argument("--paths", default=",".join(PATHS),
                    help=f"comma-separated, adam first; also {', '.join(DIAGNOSTIC)}")
-    p.add_argument("--tag", default="", help="suffix of the result file name")
+    p.add_argument("--tag", default="",
+                   help="a label for the run, kept in its record (benchmarks/results/"
+                        "paired_steps.jsonl)")
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     comm = args.workload == "comm"
@@ -242,12 +247,10 @@ def main() -> None:
                          f"{r['ratio_to_adam_q3']:.3f}) | {r['ratio_of_means']:.3f} |")
     table = "\n".join(lines)
     print(table)
-    out = ROOT / "benchmarks" / "results" / f"paired_{args.workload}{args.tag}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "rank"},
-                               "network": network, "summary": summary, "table": table,
-                               **measured}, indent=1))
-    print(f"wrote {out.relative_to(ROOT)}; total {time.time() - started:.0f} s")
+    out = append_run("paired_steps", None, {
+        "args": {k: v for k, v in vars(args).items() if k != "rank"}, "network": network,
+        "summary": summary, "table": table, **measured})
+    print(f"appended the run to {shown(out)}; total {time.time() - started:.0f} s")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 The character-level GPT of examples/charlm.py under DDP with OneBitAdam's comm hook (or without
 DDP, ``--path optimizer``). Every ``--check-every`` steps: ``check_lockstep`` (bit fingerprints
 of every parameter and the optimizer stage, compared across ranks; raises on any difference)
-and each rank's resident memory. Prints a table and the RSS growth after the first check.
+and each rank's resident memory. Prints a table and the RSS growth after the first check, and
+appends one record to ``benchmarks/results/soak.jsonl`` (benchmarks/record.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from onebit_plugin import OneBitAdam, check_lockstep, register_onebit_hook
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from charlm import CharGPT, load_corpus, loss_fn, sample_batch  # noqa: E402
+from record import append_run, shown  # noqa: E402 - benchmarks/record.py
 
 
 def rss_mib() -> float:
@@ -79,6 +81,16 @@ def main() -> None:
         print(f"lockstep checks passed: {len(rows)}; RSS growth from step {first[0]} to "
               f"{rows[-1][0]}: {' '.join(f'{g:+.1f}' for g in growth)} MiB; "
               f"skipped steps {opt.skipped_steps}")
+        out = append_run("soak", None, {
+            "path": args.path, "world": world, "steps": args.steps,
+            "freeze_step": args.freeze_step, "check_every": args.check_every,
+            "lockstep_checks_passed": len(rows),
+            "checks": [{"step": step, "stage": stage, "loss": loss, "rss_mib": rss,
+                        "elapsed_s": elapsed} for step, stage, loss, rss, elapsed in rows],
+            "rss_growth_mib": {"from_step": first[0], "to_step": rows[-1][0],
+                               "per_rank": growth},
+            "skipped_steps": opt.skipped_steps})
+        print(f"appended the run to {shown(out)}")
     dist.destroy_process_group()
 
 

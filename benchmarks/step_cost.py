@@ -14,6 +14,7 @@ Issue 10 asks that the compression-stage step cost no more than torch Adam's. Th
 gradients every step (random, fixed); ``--repeat`` steps each, the three optimizers taking
 turns. Run it once as is and
 once with ``ONEBIT_CPU_KERNEL=0`` to see the torch passes (the update's and the compression's).
+Each run appends one record to ``benchmarks/results/step_cost.jsonl`` (benchmarks/record.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 from charlm import CharGPT  # noqa: E402
+from record import append_run, shown  # noqa: E402 - benchmarks/record.py
 
 from onebit_plugin import OneBitAdam  # noqa: E402
 from onebit_plugin.allreduce import OneBitAllreduce  # noqa: E402
@@ -94,11 +96,21 @@ def main() -> None:
     print(f"torch Adam step (foreach):                     {a_best:6.1f} / {a_med:6.1f} ms")
     print(f"OneBitAdam, compression stage, exact average:  {e_best:6.1f} / {e_med:6.1f} ms "
           "(fold, update)")
+    keys = {"adam": "adam", "exact": "exact", "onebit": "onebit_w1", "rank": f"rank_w{args.world}"}
+    vs_adam = {}
     for name, world in (("onebit", 1), ("rank", args.world)):
         best, med = ms[name]
+        vs_adam[keys[name]] = {"best": best / a_best, "median": med / a_med}
         print(f"OneBitAdam, compression stage, 1-bit (W = {world}):  {best:6.1f} / {med:6.1f} ms "
               f"({best / a_best:.2f}x / {med / a_med:.2f}x Adam's; fold in the worker pass, "
               "server pass, decode in the update)")
+    out = append_run("step_cost", None, {
+        "parameters": n, "tensors": len(params), "threads": args.threads,
+        "c_passes": cpu.library() is not None, "repeat": args.repeat, "world": args.world,
+        "dim": args.dim, "layers": args.layers,
+        "ms": {keys[name]: {"best": best, "median": med} for name, (best, med) in ms.items()},
+        "vs_adam": vs_adam})
+    print(f"appended the run to {shown(out)}")
 
 
 if __name__ == "__main__":
