@@ -28,15 +28,20 @@ from torch.optim import Optimizer
 from onebit_plugin import checkpoint, rank_checks
 from onebit_plugin.allreduce import ExactAllreduce, OneBitAllreduce, all_finite, new_group
 from onebit_plugin.allreduce import group_size_and_rank as _size_and_rank
-from onebit_plugin.clipping import clip_coefficient, compression_stage_norm
-from onebit_plugin.config import SCALE_RULES, OneBitConfig
-from onebit_plugin.freeze import AutoFreeze
+from onebit_plugin.byte_counts import ByteCounts
+from onebit_plugin.clipping import (
+    check_clip_args,
+    clip_coefficient,
+    compression_stage_norm,
+    value_clipping_error,
+)
+from onebit_plugin.config import OneBitConfig
+from onebit_plugin.freeze import AutoFreeze, current_roots
 from onebit_plugin.handoff import HandOff
-from onebit_plugin.masks import keep_mask, negligible_root
-from onebit_plugin.momentum import MomentumUnit, partition
+from onebit_plugin.masks import negligible_root
+from onebit_plugin.momentum import MomentumUnit, build_units, partition, update_rows
 from onebit_plugin.norm_sketch import NormSketch, sketch_width
 from onebit_plugin.policy import Policy
-from onebit_plugin.update import corrected_root
 from onebit_plugin.warmup import average_gradients, ring_bytes
 
 __all__ = ["COMPRESSION", "DEFAULT_UNIT_MB", "WARMUP", "OneBitOptimizer"]
@@ -91,19 +96,17 @@ class OneBitOptimizer(Optimizer):
         self.switch_step: int | None = None
         self.skipped_steps = 0  # steps skipped on every rank for a non-finite gradient
         self._skip_streak = 0
-        self._said_no_ceiling = self._said_late_clip = False
+        self._said_late_clip = False
         self._unit_cap_bytes = int((config.bucket_cap_mb or DEFAULT_UNIT_MB) * 2**20)
         self._comm_group, self._group_ready = process_group, False
-        self._comm = None
+        self.counts = ByteCounts()
         self._units: list[MomentumUnit] | None = None
         self._unit_of: dict[torch.Tensor, MomentumUnit] = {}
         self._steps: torch.Tensor | None = None  # the units' step counters, one tensor
         self._step_index: dict[torch.Tensor, int] = {}  # param: its place in _steps
         self._rows: tuple | None = None  # per group, what the update reads (_update_rows)
-        self._saved: dict = {}  # units' errors and counters from a checkpoint, until built
+        self._saved: dict = {}  # the units' errors from a checkpoint, until they are built
         self.handoff = HandOff()  # what backward leaves for step(), reset once per step
-        self._warmup_sent = self._warmup_dense = 0
-        self._clip_sent = 0  # the compression stage's clipping-norm allreduces
         self._grad_flat: torch.Tensor | None = None
         self._settings_checked = False
         self._hook_params: set | None = None  # what the DDP hook averages, once registered
@@ -132,12 +135,11 @@ class OneBitOptimizer(Optimizer):
     def communicator(self) -> OneBitAllreduce | ExactAllreduce:
         """The compression stage's communicator, the policy's exchange (on the DDP hook's own
         process group once the hook is registered)."""
-        if self._comm is None:
-            self._comm = self.policy.exchange.communicator(
+        if self.counts.comm is None:
+            self.counts.attach(self.policy.exchange.communicator(
                 self.comm_group, self.world_size, max_block=self.config.max_block,
-                scale=self.config.scale, timeout=self.comm_timeout)
-            self._comm.bytes_sent, self._comm.dense_bytes = self._saved.pop("counts", (0, 0))
-        return self._comm
+                scale=self.config.scale, timeout=self.comm_timeout))
+        return self.counts.comm
 
     @property
     def units(self) -> list[MomentumUnit]:
@@ -154,30 +156,21 @@ class OneBitOptimizer(Optimizer):
 
     @property
     def bytes_sent(self) -> int:
-        return self._warmup_sent + self._compression_counts()[0] + self._clip_sent
+        return self.counts.sent
 
     @property
     def dense_bytes(self) -> int:
-        return self._warmup_dense + self._compression_counts()[1]
+        return self.counts.dense
 
     @property
     def compression_ratio(self) -> float:
         """``dense_bytes / bytes_sent`` over the run so far (inf while nothing was sent; nan
         when something else also averaged the gradients: see :attr:`averaged_elsewhere`)."""
-        if self.averaged_elsewhere:
-            return math.nan
-        return self.dense_bytes / self.bytes_sent if self.bytes_sent else math.inf
-
-    def _compression_counts(self) -> tuple[int, int]:
-        if self._comm is not None:
-            return self._comm.bytes_sent, self._comm.dense_bytes
-        return self._saved.get("counts", (0, 0))
+        return self.counts.ratio(self.averaged_elsewhere)
 
     def count_uncompressed(self, nbytes: int) -> None:
         """Account an fp32 ring allreduce of ``nbytes`` made for this optimizer (warm-up)."""
-        sent = ring_bytes(nbytes, self.world_size)
-        self._warmup_sent += sent
-        self._warmup_dense += sent
+        self.counts.count_exact(nbytes, self.world_size)
 
     @property
     def comm_group(self) -> dist.ProcessGroup | None:
@@ -206,9 +199,7 @@ class OneBitOptimizer(Optimizer):
                 comm_timeout is not None:
             self._comm_group = new_group(process_group, self.comm_timeout)
             self._group_ready = True
-        if self._comm is not None:  # resumed before the hook existed: keep the counts
-            self._saved["counts"] = self._compression_counts()
-            self._comm = None
+        self.counts.detach()  # resumed before the hook existed: the counts go on
         return self._comm_group
 
     def set_total_steps(self, total_steps: int) -> None:
@@ -235,20 +226,8 @@ class OneBitOptimizer(Optimizer):
 
         ``params``, when given, must be the optimizer's trainable parameters (a clip over a
         subset has no compression-stage counterpart)."""
-        if norm_type != 2.0:
-            raise ValueError(f"OneBitAdam.clip_grad_norm_ clips by the 2-norm; got norm_type="
-                             f"{norm_type!r}")
-        if not max_norm > 0:
-            raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
         trainable = self._trainable()
-        if params is not None:
-            given = {p for p in params if p.requires_grad}
-            if given != set(trainable):
-                raise ValueError(
-                    f"OneBitAdam.clip_grad_norm_ clips all of the optimizer's {len(trainable)} "
-                    f"trainable parameters together; {len(given)} were given, "
-                    f"{len(given - set(trainable))} of them not the optimizer's: in the "
-                    "compression stage only the whole gradient's norm can be clipped")
+        check_clip_args(max_norm, norm_type, params, trainable)
         device = trainable[0].device if trainable else torch.device("cpu")
         handoff = self.handoff
         late = handoff.sketch is None and bool(handoff.averaged)  # folded, never sketched
@@ -269,7 +248,7 @@ class OneBitOptimizer(Optimizer):
             return torch.full((), math.nan, device=device)
         estimate, sent = compression_stage_norm(trainable, handoff, self.world_size,
                                                 self.comm_group, self.comm_timeout, device)
-        self._clip_sent += sent
+        self.counts.clip_sent += sent
         handoff.clip_coef = clip_coefficient(max_norm, float(estimate))
         return estimate.reshape(())
 
@@ -284,12 +263,7 @@ class OneBitOptimizer(Optimizer):
         compression-stage counterpart (no rank holds that gradient, and clamping is not linear,
         so it cannot be applied inside the averaged momentum as :meth:`clip_grad_norm_` is).
         The integrations raise it where a user asks for clipping by value."""
-        raise ValueError(
-            f"gradient clipping by value ({clip_value!r}) has no 1-bit Adam counterpart: in the "
-            "compression stage no rank holds the averaged gradient whose coordinates it would "
-            "clamp. Clip by norm instead (Lightning: gradient_clip_algorithm='norm'; Fabric: "
-            "clip_gradients(max_norm=...); Accelerate: accelerator.clip_grad_norm_; your own "
-            "loop: optimizer.clip_grad_norm_)")
+        raise value_clipping_error(clip_value)
 
     def _trainable(self) -> list[torch.Tensor]:
         # Fixed order, the same on every rank: the units are cut from it.
@@ -303,17 +277,12 @@ class OneBitOptimizer(Optimizer):
                 "layout was fixed when the variance froze"
             )
         super().add_param_group(param_group)
-        params = self.param_groups[-1]["params"]
-        if len(set(params)) != len(params):
-            # torch only warns; one parameter stepped twice per step is not Adam (its step
-            # count would advance twice), and a momentum unit would hold it twice.
+        try:
+            rank_checks.check_once_each(len(self.param_groups) - 1,
+                                        self.param_groups[-1]["params"])
+        except ValueError:
             self.param_groups.pop()
-            seen: set = set()
-            twice = next(i for i, p in enumerate(params) if p in seen or seen.add(p))
-            raise ValueError(
-                f"onebit: a parameter appears more than once in one parameter group (group "
-                f"{len(self.param_groups)}, again at #{twice}, shape "
-                f"{tuple(params[twice].shape)}); pass each parameter once")
+            raise
 
     # ----------------------------------------------------------------------------------- step
     @torch.no_grad()
@@ -356,16 +325,9 @@ class OneBitOptimizer(Optimizer):
         rank_checks.check_launched()
         if self.world_size == 1:
             return
-        c = self.config
         settings = {
-            "freeze_step": -1 if self.auto_freeze else c.freeze_step,  # -1: "auto"
-            "total_steps": self.auto_freeze.total_steps or 0 if self.auto_freeze else 0,
-            "max_block": c.max_block,
-            "scale": SCALE_RULES.index(c.scale), "bucket bytes": self._unit_cap_bytes,
-            "mask_zero_variance": int(c.mask_zero_variance),
-            "compress_momentum": int(c.compress_momentum),
-            "bound_update": int(c.bound_update), "global_step": self.global_step,
-            "master_weights": int(c.master_weights),
+            **self.config.agreement(self.auto_freeze.total_steps if self.auto_freeze else None),
+            "bucket bytes": self._unit_cap_bytes, "global_step": self.global_step,
             "trainable parameters": len(params),
             "trainable values": sum(p.numel() for p in params),
         }
@@ -382,8 +344,8 @@ class OneBitOptimizer(Optimizer):
         params = self._trainable()
         self._grad_flat, sent = average_gradients(params, self._grad_flat, self.comm_group,
                                                   self.comm_timeout, self.world_size)
-        self._warmup_sent += sent
-        self._warmup_dense += ring_bytes(4 * sum(p.numel() for p in params), self.world_size)
+        self.counts.add_exact(sent, ring_bytes(4 * sum(p.numel() for p in params),
+                                               self.world_size))
 
     def _warmup_step(self) -> None:
         stepped = [p for p in self._trainable() if p.grad is not None]
@@ -452,36 +414,8 @@ class OneBitOptimizer(Optimizer):
         if self.auto_freeze is None:
             return applied >= self.config.freeze_step
         rank = _size_and_rank(self.process_group)[1]
-        if self.auto_freeze.total_steps is None and not self._said_no_ceiling:
-            self._said_no_ceiling = True
-            if rank == 0:  # said once per job, like the freeze itself
-                log.warning("onebit: freeze_step='auto' without total_steps: the variance freezes "
-                            "only once it has settled, which on a short run may be never (all of "
-                            "it uncompressed Adam); pass OneBitAdam(total_steps=...) "
-                            "(ONEBIT_TOTAL_STEPS for the Accelerate flag) to freeze at 20% of the "
-                            "run at the latest")
-        reason = self.auto_freeze.observe(applied, self._roots_now, negligible_root)
-        if reason is not None and rank == 0:
-            log.warning("onebit: freeze_step='auto' froze the variance after step %d: %s",
-                        applied, reason)
-        return reason is not None
-
-    def _hyper(self):
-        """Each trainable parameter with its group."""
-        for g in self.param_groups:
-            yield from ((p, g) for p in g["params"] if p.requires_grad)
-
-    def _roots_now(self) -> list[torch.Tensor]:
-        """This step's bias-corrected sqrt(v) per trainable parameter, flat (0 without state)."""
-        roots = []
-        for p, group in self._hyper():
-            state = self.state[p]
-            if not state:
-                roots.append(torch.zeros(p.numel(), dtype=torch.float32, device=p.device))
-                continue
-            roots.append(corrected_root(state["exp_avg_sq"].reshape(-1), float(state["step"]),
-                                        beta2=group["betas"][1]))
-        return roots
+        return self.auto_freeze.due(
+            applied, lambda: current_roots(self.param_groups, self.state), negligible_root, rank)
 
     def _freeze(self) -> None:
         """The end of the exact stage: fix the variance (the units are built at first use)."""
@@ -504,52 +438,19 @@ class OneBitOptimizer(Optimizer):
         return (f"onebit: Adam variance frozen after step {self.switch_step}; momentum is {how} "
                 f"from step {self.switch_step + 1} on")
 
-    def _frozen_roots(self, params: list[torch.Tensor], beta2: dict) -> torch.Tensor:
-        """The bias-corrected sqrt(v) of ``params``, frozen, in one flat fp32 buffer (the one
-        that becomes their unit's denominator once eps is added)."""
-        root = torch.empty(sum(p.numel() for p in params), dtype=torch.float32,
-                           device=params[0].device)
-        for p, piece in zip(params, root.split([p.numel() for p in params]), strict=True):
-            state = self.state[p]
-            corrected_root(state["exp_avg_sq"].reshape(-1), state["frozen_step"],
-                           beta2=beta2[p], out=piece)
-        return root
-
     def _build_units(self) -> None:
         """Move every momentum into its unit (``state['exp_avg']`` become views) and load the
         units' saved errors, if a checkpoint left some."""
-        hyper = {p: g for g in self.param_groups for p in g["params"]}
         saved = self._saved.pop("units", None)
         if saved is not None:
             self._unit_cap_bytes = self._saved.pop("unit_cap_bytes")
-        self._units = []
-        beta2 = {p: g["betas"][1] for p, g in hyper.items()}
-        parts = partition(self._trainable(), self._unit_cap_bytes)
-        # One root per coordinate, computed into the buffer that becomes the denominator, read
-        # by the masks first: with a root per use (three) and the temporaries each made, this
-        # step took 1.3 s on each of 4 emulated hosts sharing 2 cores at 6.5M parameters,
-        # against some 0.2 s for a compression-stage step (2026-12-01, benchmarks/cluster.py).
-        roots = [self._frozen_roots(params, beta2) for params in parts]
-        zero_variance = self.config.mask_zero_variance
-        negligible = negligible_root(roots) if zero_variance else 0.0
         # Warm-up's gradient buffer (without DDP) is resident and no longer used: the units'
         # fold buffers are cut from it rather than from new memory (MomentumUnit's note).
-        spare, self._grad_flat, start = self._grad_flat, None, 0
-        for params, root in zip(parts, roots, strict=True):
-            local = None
-            if spare is not None and spare.device == root.device and \
-                    start + root.numel() <= spare.numel():
-                local, start = spare[start : start + root.numel()], start + root.numel()
-            keep = keep_mask(params, root, negligible, zero_variance, self._masks)
-            offset = 0
-            for p in params:
-                root[offset : offset + p.numel()].add_(hyper[p]["eps"])
-                offset += p.numel()
-            unit = MomentumUnit(params, [self.state[p]["exp_avg"] for p in params], root, keep,
-                                [hyper[p] for p in params], self.communicator, local)
-            for p in params:
-                self.state[p]["exp_avg"] = unit.view(p)
-            self._units.append(unit)
+        spare, self._grad_flat = self._grad_flat, None
+        self._units = build_units(
+            partition(self._trainable(), self._unit_cap_bytes), self.state,
+            {p: g for g in self.param_groups for p in g["params"]}, self._masks,
+            self.config.mask_zero_variance, self.communicator, spare)
         self._unit_of = {p: u for u in self._units for p in u.params}
         # The step counters become views of one tensor: one add and one read a step for all of
         # them (a foreach add, a stack and a read of some 100 scalar tensors cost ~0.7 ms).
@@ -623,24 +524,12 @@ class OneBitOptimizer(Optimizer):
                 averaged=[u.averaged(p) for u, p in zip(units, params, strict=True)])
 
     def _update_rows(self) -> tuple[list, torch.Tensor | None]:
-        """Per parameter group with trainable parameters: the group, its trainable parameters,
-        their step counters' places in ``_steps``, units, momenta and denominators; and the
-        places of the counters that count this step (None: all). Made again when the trainable
-        parameters change (one of them frozen since, say)."""
+        """``momentum.update_rows``, made again when the trainable parameters change (one of
+        them frozen since, say)."""
         trainable = tuple(map(id, self._trainable()))
         if self._rows is None or self._rows[0] != trainable:
-            rows = []
-            for group in self.param_groups:
-                params = [p for p in group["params"] if p.requires_grad]
-                if params:
-                    units = [self._unit_of[p] for p in params]
-                    rows.append((group, params, [self._step_index[p] for p in params], units,
-                                 [u.view(p) for u, p in zip(units, params, strict=True)],
-                                 [u.view(p, u.denom) for u, p in zip(units, params,
-                                                                       strict=True)]))
-            counting = [i for row in rows for i in row[2]]
-            self._rows = (trainable, rows, None if len(counting) == self._steps.numel() else
-                          torch.tensor(counting, dtype=torch.int64))
+            self._rows = (trainable, *update_rows(self.param_groups, self._unit_of,
+                                                  self._step_index, self._steps.numel()))
         return self._rows[1:]
 
     # ---------------------------------------------------------------------------- state dict

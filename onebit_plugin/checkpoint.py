@@ -28,10 +28,8 @@ def onebit_state(opt) -> dict:
             "switch_step": opt.switch_step, "skipped_steps": opt.skipped_steps,
             "world_size": opt.world_size,
             "rank": group_size_and_rank(opt.process_group)[1],
-            "unit_cap_bytes": opt._unit_cap_bytes,
-            "warmup_counts": (opt._warmup_sent, opt._warmup_dense),
-            "clip_bytes": opt._clip_sent, "clipping": opt.handoff.sketch is not None,
-            "compression_counts": opt._compression_counts(), "units": units}
+            "unit_cap_bytes": opt._unit_cap_bytes, **opt.counts.state_dict(),
+            "clipping": opt.handoff.sketch is not None, "units": units}
 
 
 def load_state(opt, state_dict: dict, torch_load) -> None:
@@ -91,12 +89,10 @@ def load_onebit_state(opt, onebit: dict) -> None:
     if opt.auto_freeze is not None and auto is not None:  # resumed mid warm-up
         opt.auto_freeze.load_state_dict(auto, [p.device for p in opt._trainable()])
     opt.skipped_steps = int(onebit["skipped_steps"])
-    opt._warmup_sent, opt._warmup_dense = onebit["warmup_counts"]
-    opt._clip_sent = int(onebit.get("clip_bytes", 0))  # absent before 2026-12-01
+    opt.counts.load_state_dict(onebit)
     if onebit.get("clipping"):  # so that the hook sketches the first resumed step too
         opt._start_sketching()
-    opt._comm = None
-    opt._saved = {"counts": tuple(onebit["compression_counts"])}
+    opt._saved = {}
     if onebit["units"] is not None:
         # Whose errors they are is checked when the units take them (load_unit_errors): the
         # integrations load rank 0's whole state first, then each rank's own errors.

@@ -17,7 +17,8 @@ from onebit_plugin.handoff import HandOff
 from onebit_plugin.norm_sketch import squared_norm
 from onebit_plugin.warmup import ring_bytes
 
-__all__ = ["clip_coefficient", "compression_stage_norm"]
+__all__ = ["check_clip_args", "clip_coefficient", "compression_stage_norm",
+           "value_clipping_error"]
 
 
 def compression_stage_norm(trainable: list[torch.Tensor], handoff: HandOff, world: int, group,
@@ -46,3 +47,32 @@ def clip_coefficient(max_norm: float, norm: float) -> float | None:
     """torch's coefficient ``min(1, max_norm / (norm + 1e-6))``; None for a non-finite norm
     (``step()`` skips that step on every rank anyway)."""
     return min(1.0, max_norm / (norm + 1e-6)) if math.isfinite(norm) else None
+
+
+def check_clip_args(max_norm: float, norm_type: float, params, trainable: list) -> None:
+    """``clip_grad_norm_``'s arguments: the 2-norm, ``max_norm > 0``, and ``params`` (when
+    given) the optimizer's trainable parameters (a clip over a subset has no
+    compression-stage counterpart)."""
+    if norm_type != 2.0:
+        raise ValueError(f"OneBitAdam.clip_grad_norm_ clips by the 2-norm; got norm_type="
+                         f"{norm_type!r}")
+    if not max_norm > 0:
+        raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
+    if params is not None:
+        given = {p for p in params if p.requires_grad}
+        if given != set(trainable):
+            raise ValueError(
+                f"OneBitAdam.clip_grad_norm_ clips all of the optimizer's {len(trainable)} "
+                f"trainable parameters together; {len(given)} were given, "
+                f"{len(given - set(trainable))} of them not the optimizer's: in the "
+                "compression stage only the whole gradient's norm can be clipped")
+
+
+def value_clipping_error(clip_value: float) -> ValueError:
+    return ValueError(
+        f"gradient clipping by value ({clip_value!r}) has no 1-bit Adam counterpart: in the "
+        "compression stage no rank holds the averaged gradient whose coordinates it would "
+        "clamp. Clip by norm instead (Lightning: gradient_clip_algorithm='norm'; Fabric: "
+        "clip_gradients(max_norm=...); Accelerate: accelerator.clip_grad_norm_; your own "
+        "loop: optimizer.clip_grad_norm_)")
+

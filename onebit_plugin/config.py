@@ -93,6 +93,18 @@ class OneBitConfig:
                      "bound_update", "master_weights"):
             object.__setattr__(self, name, bool(getattr(self, name)))
 
+    def agreement(self, total_steps: int | None) -> dict[str, int]:
+        """The settings every rank must share, as integers (``rank_checks``): ``freeze_step``
+        -1 for ``"auto"``, whose ``total_steps`` (known by now, or 0) must agree too."""
+        auto = self.freeze_step == "auto"
+        return {"freeze_step": -1 if auto else self.freeze_step,
+                "total_steps": (total_steps or 0) if auto else 0,
+                "max_block": self.max_block, "scale": SCALE_RULES.index(self.scale),
+                "mask_zero_variance": int(self.mask_zero_variance),
+                "compress_momentum": int(self.compress_momentum),
+                "bound_update": int(self.bound_update),
+                "master_weights": int(self.master_weights)}
+
     def replace(self, **changes) -> OneBitConfig:
         """A copy with ``changes``, checked again."""
         return dataclasses.replace(self, **changes)

@@ -16,11 +16,15 @@ step.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 
-__all__ = ["AutoFreeze", "CEILING", "NEW_COORDINATES", "SETTLED", "is_check_step"]
+from onebit_plugin.update import corrected_root
+
+__all__ = ["AutoFreeze", "CEILING", "NEW_COORDINATES", "SETTLED", "current_roots",
+           "is_check_step"]
 
 FIRST_CHECK = 16
 # The step sizes (1/sqrt(v)) drifted by at most 10% (L1, weighted by sqrt(v)) over the second
@@ -30,7 +34,23 @@ NEW_COORDINATES = 1e-3
 # 20% of the run at most: then the whole run sends about 0.2 + 0.8/30 of Adam's bytes (4.4x
 # fewer), inside the paper's 15-25% (docs/benchmarks.md measures the loss at this point).
 CEILING = 0.20
+log = logging.getLogger("onebit_plugin")
 _CHECK_STEPS = frozenset(round(FIRST_CHECK * 2 ** (k / 2)) for k in range(80))
+
+
+def current_roots(param_groups: list[dict], state) -> list[torch.Tensor]:
+    """This step's bias-corrected sqrt(v) per trainable parameter, flat (0 without state)."""
+    roots = []
+    for group in param_groups:
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            if not state[p]:
+                roots.append(torch.zeros(p.numel(), dtype=torch.float32, device=p.device))
+                continue
+            roots.append(corrected_root(state[p]["exp_avg_sq"].reshape(-1),
+                                        float(state[p]["step"]), beta2=group["betas"][1]))
+    return roots
 
 
 def is_check_step(step: int) -> bool:
@@ -45,12 +65,31 @@ class AutoFreeze:
         self.total_steps = total_steps
         self.snapshots: list[tuple[int, list[torch.Tensor]]] = []  # oldest first, at most 2
         self.last: dict | None = None
+        self._said_no_ceiling = False
 
     @property
     def ceiling(self) -> int | None:
         if self.total_steps is None:
             return None
         return max(1, math.floor(CEILING * self.total_steps))
+
+    def due(self, applied: int, roots, negligible, rank: int) -> bool:
+        """After applied warm-up step ``applied``: freeze now? Rank 0 says why when it does
+        (every rank decides the same: ``v`` comes from averaged gradients), and once that
+        there is no ceiling without ``total_steps``."""
+        if self.total_steps is None and not self._said_no_ceiling:
+            self._said_no_ceiling = True
+            if rank == 0:  # said once per job, like the freeze itself
+                log.warning("onebit: freeze_step='auto' without total_steps: the variance freezes "
+                            "only once it has settled, which on a short run may be never (all of "
+                            "it uncompressed Adam); pass OneBitAdam(total_steps=...) "
+                            "(ONEBIT_TOTAL_STEPS for the Accelerate flag) to freeze at 20% of the "
+                            "run at the latest")
+        reason = self.observe(applied, roots, negligible)
+        if reason is not None and rank == 0:
+            log.warning("onebit: freeze_step='auto' froze the variance after step %d: %s",
+                        applied, reason)
+        return reason is not None
 
     def observe(self, step: int, roots, negligible: float) -> str | None:
         """After applied warm-up step ``step``: the reason to freeze now, or None. ``roots``:

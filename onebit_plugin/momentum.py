@@ -16,9 +16,10 @@ import torch
 
 from onebit_plugin.compression import decompress
 from onebit_plugin.deferred import Encoded, Fold
-from onebit_plugin.update import clip_folded_
+from onebit_plugin.masks import keep_mask, negligible_root
+from onebit_plugin.update import clip_folded_, corrected_root
 
-__all__ = ["MomentumUnit", "partition"]
+__all__ = ["MomentumUnit", "build_units", "partition", "update_rows"]
 
 
 def partition(params: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
@@ -188,3 +189,62 @@ class MomentumUnit:
         for name, e in self.errors.items():
             e.copy_(state[name])
         self.plan.clear_masked_(self.errors)
+
+
+def build_units(parts: list[list[torch.Tensor]], state, groups: dict, masks: dict,
+                mask_zero_variance: bool, comm, spare: torch.Tensor | None
+                ) -> list[MomentumUnit]:
+    """At the stage change: a unit per part of :func:`partition`, its denominator the frozen
+    ``sqrt(v_hat) + eps`` of its parameters (``state[p]``: ``exp_avg_sq`` and
+    ``frozen_step``; ``groups[p]``: its param group), its mask from the roots and ``masks``;
+    every ``state[p]["exp_avg"]`` becomes a view of its unit's momentum. ``spare``: resident
+    memory no longer used (warm-up's gradient buffer), cut into fold buffers where it fits."""
+    # One root per coordinate, computed into the buffer that becomes the denominator, read
+    # by the masks first: with a root per use (three) and the temporaries each made, this
+    # step took 1.3 s on each of 4 emulated hosts sharing 2 cores at 6.5M parameters,
+    # against some 0.2 s for a compression-stage step (2026-12-01, benchmarks/cluster.py).
+    roots = []
+    for params in parts:
+        root = torch.empty(sum(p.numel() for p in params), dtype=torch.float32,
+                           device=params[0].device)
+        for p, piece in zip(params, root.split([p.numel() for p in params]), strict=True):
+            corrected_root(state[p]["exp_avg_sq"].reshape(-1), state[p]["frozen_step"],
+                           beta2=groups[p]["betas"][1], out=piece)
+        roots.append(root)
+    negligible = negligible_root(roots) if mask_zero_variance else 0.0
+    units, start = [], 0
+    for params, root in zip(parts, roots, strict=True):
+        local = None
+        if spare is not None and spare.device == root.device and \
+                start + root.numel() <= spare.numel():
+            local, start = spare[start : start + root.numel()], start + root.numel()
+        keep = keep_mask(params, root, negligible, mask_zero_variance, masks)
+        offset = 0
+        for p in params:
+            root[offset : offset + p.numel()].add_(groups[p]["eps"])
+            offset += p.numel()
+        unit = MomentumUnit(params, [state[p]["exp_avg"] for p in params], root, keep,
+                            [groups[p] for p in params], comm, local)
+        for p in params:
+            state[p]["exp_avg"] = unit.view(p)
+        units.append(unit)
+    return units
+
+
+def update_rows(param_groups: list[dict], unit_of: dict, step_index: dict,
+                counters: int) -> tuple[list, torch.Tensor | None]:
+    """What the compression stage's update reads, per parameter group with trainable
+    parameters: the group, its trainable parameters, their step counters' places
+    (``step_index``), units, momenta and denominators; and the places of the counters that
+    count this step (None: all ``counters`` of them)."""
+    rows = []
+    for group in param_groups:
+        params = [p for p in group["params"] if p.requires_grad]
+        if params:
+            units = [unit_of[p] for p in params]
+            rows.append((group, params, [step_index[p] for p in params], units,
+                         [u.view(p) for u, p in zip(units, params, strict=True)],
+                         [u.view(p, u.denom) for u, p in zip(units, params, strict=True)]))
+    counting = [i for row in rows for i in row[2]]
+    return rows, (None if len(counting) == counters else
+                  torch.tensor(counting, dtype=torch.int64))

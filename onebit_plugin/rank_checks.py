@@ -73,6 +73,19 @@ def check_reduced(param_groups, trainable: list, reduced: set) -> None:
             "last micro-batch's backward")
 
 
+def check_once_each(index: int, params: list) -> None:
+    """Each parameter at most once in param group ``index``: torch only warns; one parameter
+    stepped twice per step is not Adam (its step count would advance twice), and a momentum
+    unit would hold it twice."""
+    if len(set(params)) != len(params):
+        seen: set = set()
+        twice = next(i for i, p in enumerate(params) if p in seen or seen.add(p))
+        raise ValueError(
+            f"onebit: a parameter appears more than once in one parameter group (group "
+            f"{index}, again at #{twice}, shape {tuple(params[twice].shape)}); pass each "
+            "parameter once")
+
+
 def check_launched() -> None:
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > 1 and not dist.is_initialized():
