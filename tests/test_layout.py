@@ -1,0 +1,63 @@
+"""The arrows of docs/design.md ("Layout of the code"), read from the source: integrations ->
+core -> the dispatch module -> kernels, never back."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """``(line, module)`` of every import in ``path``, relative ones resolved inside their
+    package (``kernels/`` is installed as ``onebit_plugin.kernels``)."""
+    package = {"kernels": "onebit_plugin.kernels", "integrations": "onebit_plugin.integrations",
+               "onebit_plugin": "onebit_plugin"}[path.relative_to(ROOT).parts[0]]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                module = ".".join([package, *filter(None, [module])])
+            found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def test_kernels_import_nothing_of_the_core():
+    for path in sorted((ROOT / "kernels").glob("*.py")):
+        for line, module in _imports(path):
+            assert not module.startswith("onebit_plugin.") or \
+                module.startswith("onebit_plugin.kernels"), f"{path.name}:{line} imports {module}"
+
+
+def test_only_the_dispatch_module_reaches_the_kernels():
+    for path in sorted((ROOT / "onebit_plugin").glob("*.py")):
+        for line, module in _imports(path):
+            if module.startswith("onebit_plugin.kernels"):
+                assert path.name == "dispatch.py", f"{path.name}:{line} imports {module}"
+
+
+def test_the_core_imports_the_integrations_once_to_register_the_strategies():
+    seen = [(path.name, line, module)
+            for path in sorted((ROOT / "onebit_plugin").glob("*.py"))
+            for line, module in _imports(path) if module.startswith("onebit_plugin.integrations")]
+    assert [(name, module) for name, _, module in seen] == [
+        ("__init__.py", "onebit_plugin.integrations.lightning.register_when_imported")]
+
+
+def test_integrations_use_the_cores_public_names():
+    """An integration imports from a core module only what that module exports (``__all__``),
+    and nothing private."""
+    import importlib
+
+    for path in sorted((ROOT / "integrations").rglob("*.py")):
+        for line, module in _imports(path):
+            parent, _, name = module.rpartition(".")
+            if not parent.startswith("onebit_plugin") or \
+                    parent.startswith("onebit_plugin.integrations"):
+                continue
+            exported = getattr(importlib.import_module(parent), "__all__", None)
+            if exported is None:  # "import onebit_plugin.x": a module, not a name from one
+                continue
+            assert name in exported, f"{path.relative_to(ROOT)}:{line} imports {module}"
