@@ -57,11 +57,13 @@ def _encode_store(c, keep, count, cols, rows, block, packed_ptr, byte_offs, scal
                   BYTES: tl.constexpr, LEVELS: tl.constexpr, RMS: tl.constexpr):
     """Store the signs (``c >= 0`` set) and the block scale of ``c``; return the new error
     ``c - decode`` (0 on masked coordinates)."""
+    # div_rn and sqrt_rn: correctly rounded, as the reference's. Triton's "/" compiles to
+    # div.full.f32 (approximate, up to 2 ulp) and plain sqrt may be approximate; the interpreter
+    # divides exactly, so only the compiled PTX shows it (tests/test_kernels.py reads it).
     if RMS:
-        # sqrt_rn: correctly rounded, as the reference's (plain sqrt may be approximate).
-        scale = tl.sqrt_rn(_tree_sum(c * c, BYTES, LEVELS) / count)
+        scale = tl.sqrt_rn(tl.div_rn(_tree_sum(c * c, BYTES, LEVELS), count))
     else:
-        scale = _tree_sum(tl.abs(c), BYTES, LEVELS) / count
+        scale = tl.div_rn(_tree_sum(tl.abs(c), BYTES, LEVELS), count)
     positive = c >= 0
     byte = tl.sum(positive.to(tl.int32) << cols[None, :], axis=1)
     tl.store(packed_ptr + byte_offs, byte.to(tl.uint8), mask=rows < block // 8)
@@ -99,7 +101,7 @@ def _server_compress_kernel(recv_packed_ptr, recv_scales_ptr, err_ptr, mask_ptr,
         total += _decode(byte, cols, tl.load(recv_scales_ptr + k * blocks_per_chunk + pid))
     keep = tl.load(mask_ptr + offs, mask=in_block, other=0) != 0
     err = tl.load(err_ptr + offs, mask=in_block, other=0.0)
-    y = tl.where(keep, total / world, 0.0) + err
+    y = tl.where(keep, tl.div_rn(total, world.to(tl.float32)), 0.0) + err  # exact, as above
     new_err = _encode_store(y, keep, tl.load(counts_ptr + pid), cols, rows, block, packed_ptr,
                             byte_offs, scales_ptr, pid, BYTES, LEVELS, RMS)
     tl.store(err_ptr + offs, new_err, mask=in_block)

@@ -169,17 +169,25 @@ for fn, sig in kernels.items():
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": 8, "enable_fp_fusion": False})
-    print(fn.__name__, len(compiled.asm["ptx"]) > 0)
+    ptx = compiled.asm["ptx"]
+    # Approximate divides and reciprocals would make scales differ from the reference's.
+    approx = [op for op in ("div.full", "div.approx", "rcp.approx", "sqrt.approx") if op in ptx]
+    exact = [op for op in ("div.rn.f32", "sqrt.rn.f32") if op in ptx]
+    print(fn.__name__, len(ptx) > 0, "approx=" + ",".join(approx), "exact=" + ",".join(exact))
 """
 
 
 def test_kernels_compile_for_a_gpu_without_one():
     """The interpreter accepts code that the compiler rejects (and the reverse): compile each
-    kernel for sm_90 on the CPU, in a process without TRITON_INTERPRET."""
+    kernel for sm_90 on the CPU, in a process without TRITON_INTERPRET. Their PTX divides and
+    takes square roots correctly rounded (div.rn, sqrt.rn), as the reference does: Triton's "/"
+    is div.full.f32 (up to 2 ulp), which the interpreter, dividing exactly, never shows."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     proc = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["_worker_compress_kernel", "True", "_server_compress_kernel",
-                                   "True", "_decompress_kernel", "True"], proc.stdout
+    assert proc.stdout.split() == [
+        "_worker_compress_kernel", "True", "approx=", "exact=div.rn.f32,sqrt.rn.f32",
+        "_server_compress_kernel", "True", "approx=", "exact=div.rn.f32,sqrt.rn.f32",
+        "_decompress_kernel", "True", "approx=", "exact="], proc.stdout
