@@ -49,6 +49,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from onebit_plugin.config import EnvSettings
 from onebit_plugin.ddp_hook import OneBitHookState, register_onebit_hook
+from onebit_plugin.integrations.ddp_strategies import say_at_exit_if_uncompressed
 from onebit_plugin.integrations.rank_states import load_rank_states, save_rank_states
 from onebit_plugin.optimizer import OneBitAdam
 
@@ -86,6 +87,25 @@ def to_onebit_adam(optimizer: torch.optim.Optimizer, settings: OneBitSettings) -
         **settings.config.replace(total_steps=settings.total_steps or getattr(
             optimizer, "onebit_total_steps", None)).options(),
     )
+
+
+def _when(opt) -> str:
+    """When the compression stage begins, as far as is known now (the launcher's line)."""
+    if opt.auto_freeze is not None:
+        if opt.auto_freeze.ceiling:
+            return ("once the variance has settled (freeze_step=auto), at the latest after step "
+                    f"{opt.auto_freeze.ceiling}")
+        return ("once the variance has settled (freeze_step=auto; its ceiling, 20% of the run, "
+                "needs the run's length: a transformers.Trainer gives it, else set "
+                "ONEBIT_TOTAL_STEPS)")
+    reaches = opt.compresses_within_run()
+    if reaches is None:
+        return (f"after step {opt.freeze_step}, if the run is longer than that (its length is "
+                "not known here: ONEBIT_TOTAL_STEPS or onebit-run --total-steps gives it)")
+    if not reaches:
+        return (f"never: freeze_step={opt.freeze_step} is at or past the run's "
+                f"{opt.total_steps} optimizer steps, so the whole run is uncompressed Adam")
+    return f"after step {opt.freeze_step} of {opt.total_steps}"
 
 
 def _mark_step_tracked(optimizer: torch.optim.Optimizer) -> None:
@@ -219,16 +239,12 @@ class Accelerator(accelerate.Accelerator):
         # Said on the main process, whatever the logging level: the run is not what the
         # script's code alone suggests.
         opt = self._onebit_pending[0]
-        when = (f"after step {opt.freeze_step}" if opt.auto_freeze is None else
-                "once the variance has settled (freeze_step=auto), at the latest after step "
-                f"{opt.auto_freeze.ceiling}" if opt.auto_freeze.ceiling else
-                "once the variance has settled (freeze_step=auto; its ceiling, 20% of the run, "
-                "needs the run's length: a transformers.Trainer gives it, else set "
-                "ONEBIT_TOTAL_STEPS)")
+        say_at_exit_if_uncompressed(opt)
         self.print(f"onebit: 1-bit Adam on: {type(opt).__name__} averages with the 1-bit hook "
                    f"(overlap={self.onebit_hook_state.overlap}, DDP gradient_as_bucket_view="
                    f"{self._onebit_models[0].gradient_as_bucket_view}); the momentum is "
-                   f"exchanged as 1-bit signs {when}")
+                   f"exchanged as 1-bit signs {_when(opt)}")
+
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """``accelerate.Accelerator.clip_grad_norm_``; for the paired OneBitAdam's parameters,

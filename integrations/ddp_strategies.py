@@ -1,15 +1,18 @@
 """What the Lightning Trainer strategy (``lightning_strategy``) and the Fabric strategy
 (``fabric_strategy``) share: both are DDP whose gradient sync is the 1-bit family's DDP comm
-hook, registered under the same names with the same precisions and refusals."""
+hook, registered under the same names with the same precisions and refusals; and, with the
+Accelerate flag, the word at the end of a run that never compressed."""
 
 from __future__ import annotations
 
+import atexit
 import logging
+import weakref
 
 from onebit_plugin import OneBitOptimizer, register_onebit_hook
 
 __all__ = ["STRATEGY_NAMES", "SUPPORTED_PRECISIONS", "check_precision", "ddp_kwargs",
-           "pair", "register_names", "require_member"]
+           "pair", "register_names", "require_member", "say_at_exit_if_uncompressed"]
 
 log = logging.getLogger("onebit_plugin")
 
@@ -70,3 +73,16 @@ def register_names(cls, strategy_registry, what: str) -> None:
         strategy_registry.register(
             name, cls, description=f"{what} with start_method {start_method!r}",
             override=True, start_method=start_method)
+
+
+def say_at_exit_if_uncompressed(optimizer: OneBitOptimizer) -> None:
+    """Where nothing marks the end of training (a Fabric or Accelerate script's own loop): at
+    the interpreter's exit, ``optimizer.training_ended()`` says whether nothing was compressed
+    (a weak reference: the optimizer is not kept alive for it)."""
+    ref = weakref.ref(optimizer)
+
+    def at_exit() -> None:
+        if (opt := ref()) is not None:
+            opt.training_ended()
+
+    atexit.register(at_exit)

@@ -16,6 +16,7 @@ from onebit_plugin.integrations.ddp_strategies import (
     pair,
     register_names,
     require_member,
+    say_at_exit_if_uncompressed,
 )
 from onebit_plugin.integrations.rank_states import own_rank_state, with_rank_states
 
@@ -78,6 +79,7 @@ def make_fabric_strategy_class(fabric, module: str):
             if self.hook_state is not None or self._model is None or self._optimizer is None:
                 return
             self.hook_state = pair(self._model, self._optimizer, self.overlap, self.comm_timeout)
+            say_at_exit_if_uncompressed(self._optimizer)
             log.info("onebit: Fabric strategy onebit_adam, freeze_step=%s, overlap=%s",
                      self._optimizer.freeze_step, self.hook_state.overlap)
 

@@ -152,13 +152,21 @@ def make_strategy_class(pl, callback_cls, module: str):
                 "an LR scheduler), e.g. `return OneBitAdam(self.parameters(), lr=1e-3, "
                 "freeze_step=1000)`")
             total = trainer.estimated_stepping_batches  # inf for max_steps=-1 and no epochs
-            if optimizer.auto_freeze is not None and math.isfinite(total):
+            if math.isfinite(total):  # "auto"'s ceiling; a fixed freeze_step past it is said
                 optimizer.set_total_steps(int(total))
             self._bound_default_group(optimizer.comm_timeout if self.comm_timeout is None
                                       else timedelta(seconds=self.comm_timeout))
             self.hook_state = pair(self.model, optimizer, self.overlap, self.comm_timeout,
                                    self.record_timeline)
             route_clipping(self.precision_plugin)
+
+        @override
+        def on_train_end(self) -> None:
+            super().on_train_end()
+            for optimizer in self.optimizers:  # a fit that never compressed says so
+                inner = getattr(optimizer, "_optimizer", optimizer)
+                if isinstance(inner, OneBitOptimizer):
+                    inner.training_ended()
 
         @override
         def optimizer_state(self, optimizer) -> dict:

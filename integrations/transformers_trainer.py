@@ -3,7 +3,8 @@
 The Trainer saves ``optimizer.pt`` from the main process only and loads that one file on every
 rank, which would give every rank rank 0's error buffers. Under ``onebit-run`` its optimizer
 save and load also write and read ``onebit_rank<R>.pt`` in the checkpoint folder
-(``rank_states``): the resumed run continues the uninterrupted one.
+(``rank_states``): the resumed run continues the uninterrupted one. Its ``max_steps`` reaches
+the optimizer as the run's length, and a ``train()`` that never compressed says so.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def patch_trainer(trainer_cls) -> None:
         @functools.wraps(create_scheduler)
         def create_scheduler_with_total(self, num_training_steps, optimizer=None, *args,
                                         **kwargs):
-            # The run's length, for freeze_step="auto". The scheduler is made before prepare()
+            # The run's length (freeze_step="auto"'s ceiling; a fixed one past it is said). The
+            # scheduler is made before prepare()
             # (then to_onebit_adam reads the attribute from the optimizer it replaces) or,
             # in transformers 5.x, after it (then the optimizer is OneBitAdam already).
             target = optimizer if optimizer is not None else self.optimizer
@@ -68,6 +70,16 @@ def patch_trainer(trainer_cls) -> None:
             return create_scheduler(self, num_training_steps, optimizer, *args, **kwargs)
 
         trainer_cls.create_scheduler = create_scheduler_with_total
+    train = trainer_cls.train
+
+    @functools.wraps(train)
+    def train_and_say(self, *args, **kwargs):
+        output = train(self, *args, **kwargs)
+        for optimizer in _onebit(self):  # a run that never compressed says so
+            optimizer.training_ended()
+        return output
+
+    trainer_cls.train = train_and_say
     setattr(trainer_cls, SAVE, save_with_ranks)
     setattr(trainer_cls, LOAD, load_with_ranks)
     trainer_cls._onebit_patched = True

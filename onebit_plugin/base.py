@@ -92,6 +92,8 @@ class OneBitOptimizer(Optimizer):
                 f"{type(self).__name__} needs all parameters on one device, got "
                 f"{sorted(map(str, devices))}"
             )
+        self.total_steps = config.total_steps  # the run's optimizer steps, when known
+        self._said_never = self._said_uncompressed = False
         self.global_step = 0
         self.switch_step: int | None = None
         self.skipped_steps = 0  # steps skipped on every rank for a non-finite gradient
@@ -112,6 +114,7 @@ class OneBitOptimizer(Optimizer):
         self._hook_params: set | None = None  # what the DDP hook averages, once registered
         # Set when the first step's gradients were already identical on every rank.
         self.averaged_elsewhere = False
+        self._say_if_never_compressed()
 
     # ----------------------------------------------------------------------------- properties
     @property
@@ -203,9 +206,50 @@ class OneBitOptimizer(Optimizer):
         return self._comm_group
 
     def set_total_steps(self, total_steps: int) -> None:
-        """The run's length, for ``freeze_step="auto"``'s ceiling (integrations call it)."""
+        """The run's length in optimizer steps, from whoever knows it (the integrations call
+        it): ``freeze_step="auto"``'s ceiling, and a fixed ``freeze_step`` at or past it is said
+        at once (the run would never compress)."""
+        if self.total_steps is None:
+            self.total_steps = int(total_steps)
         if self.auto_freeze is not None and self.auto_freeze.total_steps is None:
             self.auto_freeze.total_steps = int(total_steps)
+        self._say_if_never_compressed()
+
+    def compresses_within_run(self) -> bool | None:
+        """Whether the compression stage begins before the run ends: None while the run's
+        length is unknown (``total_steps``); with ``freeze_step="auto"`` True (it freezes at
+        20% of the run at the latest)."""
+        if self.switch_step is not None or self.auto_freeze is not None:
+            return True if self.switch_step is not None or self.total_steps else None
+        if self.total_steps is None:
+            return None
+        return self.config.freeze_step < self.total_steps
+
+    def _say_if_never_compressed(self) -> None:
+        if self.compresses_within_run() is not False or self._said_never:
+            return
+        self._said_never = True
+        if _size_and_rank(self.process_group)[1] == 0:  # once per job
+            total = self.total_steps
+            low, high = max(1, round(0.15 * total)), max(1, round(0.25 * total))
+            log.warning(
+                "onebit: freeze_step=%d is at or past the end of the run (%d optimizer steps): "
+                "the variance never freezes, the whole run is uncompressed Adam and nothing is "
+                "compressed. Pass a freeze_step below %d (the paper uses 15-25%% of the run: "
+                "%s here), or freeze_step='auto'", self.config.freeze_step, total, total,
+                f"{low}-{high}" if high > low else f"about {low}")
+
+    def training_ended(self) -> None:
+        """Training is over (the integrations call it; a loop of one's own may): when it never
+        reached the compression stage, that is said once, on rank 0."""
+        if self.switch_step is not None or self.global_step == 0 or self._said_uncompressed:
+            return
+        self._said_uncompressed = True
+        if _size_and_rank(self.process_group)[1] == 0:
+            log.warning("onebit: training ended after %d optimizer steps, all of them in the "
+                        "uncompressed warm-up (freeze_step=%s): nothing was compressed. A "
+                        "freeze_step of 15-25%% of the run's steps (or 'auto' with the run's "
+                        "length) compresses the rest", self.global_step, self.config.freeze_step)
 
     # ------------------------------------------------------------------------------- clipping
     @torch.no_grad()
