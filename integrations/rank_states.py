@@ -3,16 +3,25 @@
 Accelerate's ``save_state`` and ``transformers.Trainer`` write the optimizer state from the main
 process only, and the error buffers differ per rank; so every rank writes its own
 ``onebit_rank<R>.pt`` into the checkpoint folder and loads it back. A missing, unreadable or
-other-run file is a ``ValueError`` naming the file, never silently zeroed errors.
+other-run file is a ``ValueError`` naming the file, never silently zeroed errors. A checkpoint
+written in warm-up (no error buffers yet) resumes on any number of processes.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 from onebit_plugin.optimizer import OneBitAdam
+
+log = logging.getLogger("onebit_plugin")
+
+
+def _say_other_world(saved: int, world: int) -> None:
+    log.info("onebit: resuming a warm-up checkpoint of %d ranks on %d: warm-up state holds no "
+             "per-rank error buffers, so the world size may change", saved, world)
 
 
 def rank_file(folder, rank: int) -> Path:
@@ -32,6 +41,12 @@ def load_rank_states(folder, rank: int, world: int, optimizers: list[OneBitAdam]
     framework has already loaded from the same checkpoint."""
     folder = Path(folder)
     saved = sorted(p.name for p in folder.glob("onebit_rank*.pt"))
+    if len(saved) != world and all(o.switch_step is None for o in optimizers):
+        # Warm-up: no error buffers yet, and what the files hold besides (step, counters, the
+        # auto freeze's snapshots of the averaged variance) is rank 0's, already loaded with
+        # the framework's optimizer state: any number of processes may resume it.
+        _say_other_world(len(saved), world)
+        return
     if len(saved) != world:
         raise ValueError(
             f"{folder} holds OneBitAdam error buffers of {len(saved)} ranks ({saved}) and this "
@@ -95,6 +110,9 @@ def own_rank_state(state: dict, rank: int, world: int) -> dict:
                 f"{world} processes; every rank needs its own to resume the compression stage"
             )
         return state
+    if len(ranks) != world and onebit.get("switch_step") is None:  # warm-up: any world size
+        _say_other_world(len(ranks), world)
+        return {k: v for k, v in state.items() if k != "onebit_ranks"}
     if len(ranks) != world:
         raise ValueError(
             f"this checkpoint was written by {len(ranks)} ranks and is loaded by {world}: "

@@ -125,3 +125,31 @@ def test_each_ranks_own_errors_come_back_from_its_file(tmp_path):
             for name in a:
                 assert torch.equal(a[name], b[name]), name
     assert not torch.equal(results[0][0][0]["worker"], results[1][0][0]["worker"])
+
+
+def test_a_warm_up_checkpoint_resumes_on_another_world_size(tmp_path):
+    """Warm-up holds no error buffers: files of 2 ranks load into 1 or 3 processes (the
+    framework's state, rank 0's, is complete), and a Lightning/Fabric checkpoint's
+    ``onebit_ranks`` of 2 into 1 or 3; the compression stage's are still refused."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    warm = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=10)
+    for _ in range(3):
+        warm.zero_grad()
+        model(torch.randn(3, 8)).sum().backward()
+        warm.step()
+    for rank in (0, 1):
+        save_rank_states(tmp_path / "w", rank, [warm])
+    for world in (1, 3):
+        resumed = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=10)
+        resumed.load_state_dict(warm.state_dict())
+        load_rank_states(tmp_path / "w", 0, world, [resumed])
+        assert (resumed.global_step, resumed.stage) == (3, "warmup")
+    state = dict(warm.state_dict(), onebit_ranks=[warm.onebit_state_dict()] * 2)
+    for world in (1, 3):
+        own = own_rank_state(state, 0, world)
+        assert "onebit_ranks" not in own and own["onebit"]["global_step"] == 3
+    frozen = _trained(4)
+    frozen_state = dict(frozen.state_dict(), onebit_ranks=[frozen.onebit_state_dict()] * 2)
+    with pytest.raises(ValueError, match="written by 2 ranks and is loaded by 3"):
+        own_rank_state(frozen_state, 0, 3)
