@@ -6,7 +6,10 @@ overlap thread does not hold up backward's Python).
 The library is built on first use into ``$XDG_CACHE_HOME/onebit_plugin`` (default
 ``~/.cache/onebit_plugin``), keyed by the source, the flags, the compiler's version and the CPU's
 feature flags (``-march=native``); concurrent builds by several ranks each write their own file
-and rename it into place. Without a compiler (``$CC`` when it names one on ``PATH``, else
+and rename it into place. A library found there is loaded only if this package built it: its
+sha256 digest, written beside it at the build, matches, and neither it, its digest nor the folder
+belongs to another user or is writable by others; else it is rebuilt, and said (loading a library
+runs its code). Without a compiler (``$CC`` when it names one on ``PATH``, else
 ``cc``/``gcc``), or when the build fails, :func:`library` returns None once it has said so in
 one log line per process, and the torch passes of ``onebit_plugin.compression`` run instead
 (the same bits, slower). ``ONEBIT_CPU_KERNEL=0`` chooses the torch passes.
@@ -69,7 +72,13 @@ def _build(cc: str) -> Path:
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "onebit_plugin"
     target = cache / f"onebit_cpu_{key}.so"
     if target.exists():
-        return target
+        why = _not_ours(target)
+        if why is None:
+            return target
+        # Loading a library runs its code: one found in the cache is loaded only if this
+        # package built it there (the digest it wrote beside it) and nobody else may have
+        # written either since; else it is rebuilt, and said.
+        log.warning("onebit: %s is not a library this package built (%s): rebuilt", target, why)
     cache.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
@@ -80,11 +89,48 @@ def _build(cc: str) -> Path:
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip()
                                else f"{cc} exited {proc.returncode}")
+        os.chmod(tmp, 0o755)
+        _write_digest(Path(tmp), target)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _digest_file(target: Path) -> Path:
+    return target.with_suffix(".sha256")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _write_digest(built: Path, target: Path) -> None:
+    fd, tmp = tempfile.mkstemp(suffix=".sha256", dir=target.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(_sha256(built))
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, _digest_file(target))
+
+
+def _not_ours(target: Path) -> str | None:
+    """Why the cached ``target`` must not be loaded (None: it may): the library or its digest
+    owned by another user or writable by others (as is its folder), or the digest missing or
+    not the library's."""
+    digest = _digest_file(target)
+    for path in (target.parent, target, digest):
+        try:
+            st = path.stat()
+        except OSError:
+            return f"{path.name} is missing"
+        if st.st_uid != os.getuid():
+            return f"{path} belongs to another user"
+        if st.st_mode & 0o022:
+            return f"{path} is writable by other users"
+    if digest.read_text().strip() != _sha256(target):
+        return "its digest does not match"
+    return None
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:

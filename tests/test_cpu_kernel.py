@@ -292,6 +292,43 @@ def test_first_build_is_cached(tmp_path):
     assert built[0].stat().st_mtime_ns == stamp  # loaded from the cache, not rebuilt
 
 
+_PLANTED = r"""
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen(MARKER, "w");
+    if (f) fclose(f);
+}
+"""
+
+
+@pytest.mark.parametrize("how", ["replaced", "no digest", "writable by others"])
+def test_a_library_planted_in_the_cache_is_rebuilt_never_loaded(tmp_path, how):
+    """Loading a library runs its code: a crafted one put in the cache under the built
+    library's name (whose constructor would create a file) is not loaded but rebuilt, and
+    said; so is one without the digest this package writes, or one others may write."""
+    (backend, _), said = _child({"XDG_CACHE_HOME": str(tmp_path)})
+    (built,) = (tmp_path / "onebit_plugin").glob("onebit_cpu_*.so")
+    marker = tmp_path / "planted_code_ran"
+    source = tmp_path / "planted.c"
+    source.write_text(_PLANTED.replace("MARKER", f'"{marker}"'))
+    if how == "replaced":
+        subprocess.run(["cc", "-shared", "-fPIC", str(source), "-o", str(built)], check=True)
+        reason = "its digest does not match"
+    elif how == "no digest":
+        subprocess.run(["cc", "-shared", "-fPIC", str(source), "-o", str(built)], check=True)
+        built.with_suffix(".sha256").unlink()
+        reason = "onebit_cpu_"
+    else:
+        built.chmod(0o777)
+        reason = "is writable by other users"
+    (backend, _), said = _child({"XDG_CACHE_HOME": str(tmp_path)})
+    lines = [line for line in said.splitlines() if line.startswith("onebit:")]
+    assert backend == "cpu" and not marker.exists()
+    assert len(lines) == 1 and "is not a library this package built" in lines[0] and \
+        reason in lines[0], said
+    assert _child({"XDG_CACHE_HOME": str(tmp_path)})[1].count("onebit:") == 0  # rebuilt, kept
+
+
 @pytest.mark.parametrize("env,reason", [
     ({"CC": "/nonexistent/cc", "PATH": "/nonexistent"}, "no C compiler found"),
     ({"ONEBIT_CPU_KERNEL": "0"}, "ONEBIT_CPU_KERNEL='0'"),
