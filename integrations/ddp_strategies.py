@@ -53,7 +53,11 @@ def require_member(optimizers: list, needs: str) -> OneBitOptimizer:
     error saying what the strategy ``needs``."""
     if len(optimizers) != 1 or not isinstance(optimizers[0], OneBitOptimizer):
         got = ", ".join(type(o).__name__ for o in optimizers) or "nothing"
-        raise ValueError(f"strategy='onebit_adam' needs {needs}; got {got}")
+        several = ("; for several optimizers (a GAN's), wrap each model in torch's "
+                   "DistributedDataParallel and call onebit_plugin.register_onebit_hook("
+                   "ddp_model, optimizer) for each pair (docs/limits.md)"
+                   if len(optimizers) > 1 else "")
+        raise ValueError(f"strategy='onebit_adam' needs {needs}; got {got}{several}")
     return optimizers[0]
 
 

@@ -70,7 +70,11 @@ def make_fabric_strategy_class(fabric, module: str):
             require_member([optimizer], "a onebit_plugin.OneBitAdam optimizer, e.g. OneBitAdam("
                            "model.parameters(), lr=1e-3, freeze_step=1000)")
             if self._optimizer is not None and self._optimizer is not optimizer:
-                raise ValueError("strategy='onebit_adam' handles one optimizer")
+                raise ValueError(
+                    "strategy='onebit_adam' handles one optimizer; for several (a GAN's), wrap "
+                    "each model in torch's DistributedDataParallel and call "
+                    "onebit_plugin.register_onebit_hook(ddp_model, optimizer) for each pair "
+                    "(docs/limits.md)")
             self._optimizer = optimizer
             self._pair()
             return optimizer

@@ -70,16 +70,16 @@ def patch_trainer(trainer_cls) -> None:
             return create_scheduler(self, num_training_steps, optimizer, *args, **kwargs)
 
         trainer_cls.create_scheduler = create_scheduler_with_total
-    train = trainer_cls.train
+    train = getattr(trainer_cls, "train", None)
+    if train is not None:
+        @functools.wraps(train)
+        def train_and_say(self, *args, **kwargs):
+            output = train(self, *args, **kwargs)
+            for optimizer in _onebit(self):  # a run that never compressed says so
+                optimizer.training_ended()
+            return output
 
-    @functools.wraps(train)
-    def train_and_say(self, *args, **kwargs):
-        output = train(self, *args, **kwargs)
-        for optimizer in _onebit(self):  # a run that never compressed says so
-            optimizer.training_ended()
-        return output
-
-    trainer_cls.train = train_and_say
+        trainer_cls.train = train_and_say
     setattr(trainer_cls, SAVE, save_with_ranks)
     setattr(trainer_cls, LOAD, load_with_ranks)
     trainer_cls._onebit_patched = True

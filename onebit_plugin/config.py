@@ -12,6 +12,7 @@ it passes to ``register_onebit_hook``, which checks that it is not too late for 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from dataclasses import dataclass
 
@@ -207,7 +208,9 @@ def settings_from_env() -> EnvSettings | None:
         return None
     unknown = sorted(k for k in os.environ if k.startswith("ONEBIT_") and k not in VARIABLES)
     if unknown:
-        raise ValueError(f"unknown setting(s) {', '.join(unknown)}: the ONEBIT_ variables "
+        meant = [f"{k} (did you mean {near[0]}?)" if (near := difflib.get_close_matches(
+            k, VARIABLES, n=1)) else k for k in unknown]
+        raise ValueError(f"unknown setting(s) {', '.join(meant)}: the ONEBIT_ variables "
                          f"are {', '.join(VARIABLES)}")
     freeze = os.environ.get("ONEBIT_FREEZE_STEP", "").strip()
     if not freeze:

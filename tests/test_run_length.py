@@ -144,3 +144,26 @@ def test_lightning_says_it_at_the_start_and_at_the_end():
     ended = [m for m in messages if ENDED in m]
     assert len(never) == 1 and "(6 optimizer steps)" in never[0], messages
     assert len(ended) == 1 and "after 6 optimizer steps" in ended[0], messages
+
+
+def test_a_misspelt_variable_gets_the_nearest_name(monkeypatch):
+    from onebit_plugin.config import settings_from_env
+
+    for name in [k for k in __import__("os").environ if k.startswith("ONEBIT_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("ONEBIT_ADAM", "1")
+    monkeypatch.setenv("ONEBIT_FREEZE_STEP", "10")
+    monkeypatch.setenv("ONEBIT_TOTALSTEPS", "100")
+    with pytest.raises(ValueError,
+                       match=r"ONEBIT_TOTALSTEPS \(did you mean ONEBIT_TOTAL_STEPS\?\)"):
+        settings_from_env()
+
+
+def test_two_optimizers_under_a_strategy_name_the_way_that_works():
+    from onebit_plugin.integrations.ddp_strategies import require_member
+
+    params = nn.Linear(3, 2).parameters
+    with pytest.raises(ValueError, match=r"got OneBitAdam, OneBitAdam; for several optimizers "
+                                         r"\(a GAN's\).*register_onebit_hook"):
+        require_member([OneBitAdam(params(), freeze_step=2), OneBitAdam(params(), freeze_step=2)],
+                       "one onebit_plugin.OneBitAdam")
