@@ -37,7 +37,7 @@ TEST_WORKERS ?= 2
 test: lint
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10
 
-# The single-process tests (-m "not multiprocess": 482 of the 593; tests/conftest.py marks every
+# The single-process tests (-m "not multiprocess": 500 of 615, 2026-12-02; conftest.py marks every
 # test that starts processes, and fails an unmarked one that does): 13 s on this 2-core machine
 # (21 s on a cold file cache), in one process: -n 2 took as long (14 s), its two workers'
 # start and imports cost what the second core saves. `make test` still runs all of them.
@@ -80,4 +80,4 @@ soak: $(STAMP)
 	$(VENV)/bin/torchrun --nproc_per_node 2 benchmarks/soak.py --steps 3000
 
 clean:
-	rm -rf $(DEMO_DIR) .pytest_cache build *.egg-info
+	rm -rf $(DEMO_DIR) .pytest_cache build *.egg-info cli_out accelerate_out hf_out

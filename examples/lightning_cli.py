@@ -29,7 +29,7 @@ from wire import WireLog  # noqa: E402
 
 
 class CharLM(pl.LightningModule):
-    def __init__(self, optimizer: str = "onebit", lr: float = 3e-3, freeze_step: int = 60,
+    def __init__(self, optimizer: str = "onebit", lr: float = 3e-3, freeze_step: int | str = 60,
                  batch: int = 16, context: int = 64, dim: int = 64, layers: int = 2,
                  seed: int = 0, out: str = "cli_out"):
         super().__init__()

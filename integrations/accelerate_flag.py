@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -189,6 +190,7 @@ class Accelerator(accelerate.Accelerator):
     def prepare(self, *args, device_placement=None):
         if self.onebit is None:
             return super().prepare(*args, device_placement=device_placement)
+        self._say_lone_processes()
         replaced: dict[int, OneBitAdam] = {}
         originals: list[tuple[torch.optim.Optimizer, OneBitAdam]] = []
         converted = []
@@ -223,6 +225,26 @@ class Accelerator(accelerate.Accelerator):
                                  if isinstance(o, OneBitAdam)]
         self._pair_hook()
         return result
+
+    def _say_lone_processes(self) -> None:
+        """Once: a launch whose processes Accelerate runs alone has nothing to compress, or
+        (several processes, none of them distributed) trains the same model several times."""
+        if getattr(self, "_onebit_said_lone", False) or self.num_processes > 1:
+            return
+        self._onebit_said_lone = True
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched > 1:
+            log.warning(
+                "onebit: this launch started %d processes but Accelerate runs each one alone "
+                "(distributed type %s): every process trains the same model by itself and "
+                "nothing is exchanged. On CPUs launch with ACCELERATE_USE_CPU=true "
+                "(ACCELERATE_USE_CPU=true onebit-run --freeze-step N accelerate launch "
+                "--multi_gpu --num_processes %d train.py)", launched, self.distributed_type,
+                launched)
+        else:
+            self.print("onebit: 1-bit Adam on, in one process: there is nothing to exchange, "
+                       "so OneBitAdam is Adam, then Adam with a frozen variance; launch several "
+                       "processes (accelerate launch --num_processes N) to compress")
 
     def _pair_hook(self) -> None:
         if self.onebit_hook_state is not None or not self._onebit_models \

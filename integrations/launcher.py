@@ -1,5 +1,7 @@
 """``onebit-run``: 1-bit Adam for an unmodified Accelerate or ``transformers.Trainer`` script,
-turned on at launch::
+turned on at launch.
+
+Examples::
 
     ONEBIT_FREEZE_STEP=100 onebit-run accelerate launch train.py ...
     onebit-run --freeze-step 100 torchrun --nproc_per_node 8 train.py ...

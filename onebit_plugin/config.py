@@ -87,7 +87,8 @@ class OneBitConfig:
         if self.freeze_step is None:
             raise ValueError(
                 "freeze_step is required: the number of uncompressed Adam warm-up steps "
-                "(an int >= 1; 15-25% of the run is typical)"
+                "(an int >= 1; 15-25% of the run is typical), or 'auto' (with total_steps, "
+                "frozen at 20% of the run at the latest)"
             )
         check_settings(dataclasses.asdict(self))
         for name in ("mask_zero_variance", "average_grads", "compress_momentum",
