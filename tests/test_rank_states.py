@@ -153,3 +153,37 @@ def test_a_warm_up_checkpoint_resumes_on_another_world_size(tmp_path):
     frozen_state = dict(frozen.state_dict(), onebit_ranks=[frozen.onebit_state_dict()] * 2)
     with pytest.raises(ValueError, match="written by 2 ranks and is loaded by 3"):
         own_rank_state(frozen_state, 0, 3)
+
+
+def _gather_on_a_nccl_default(rank, world):
+    """The default group claims NCCL: every rank's state must travel on a gloo group of its own
+    (made once), never through the default group's gather_object into GPU memory."""
+    import torch.distributed as dist
+
+    from onebit_plugin.integrations import rank_states
+
+    made, used = [], []
+    new_group, gather = dist.new_group, dist.gather_object
+    dist.get_backend = lambda group=None: "nccl" if group is None else "gloo"
+
+    def recorded_new_group(*args, **kwargs):
+        made.append(kwargs.get("backend"))
+        return new_group(*args, **kwargs)
+
+    def recorded_gather(obj, gathered=None, dst=0, group=None):
+        used.append(group)
+        return gather(obj, gathered, dst=dst, group=group)
+
+    dist.new_group, dist.gather_object = recorded_new_group, recorded_gather
+    opt = _trained(4)
+    states = [rank_states.with_rank_states(opt.state_dict(), rank, world) for _ in range(2)]
+    return made, [g is not None and g is used[0] for g in used], \
+        [len(s.get("onebit_ranks") or []) for s in states]
+
+
+def test_states_travel_on_a_host_group_when_the_default_is_nccl():
+    """Issue 33, item 2 (the part a CPU can show: which group carries them)."""
+    results = run_ranks(_gather_on_a_nccl_default, 2)
+    for made, same_group, _ in results:
+        assert made == ["gloo"] and same_group == [True, True]
+    assert [gathered for *_, gathered in results] == [[2, 2], [0, 0]]
