@@ -1,0 +1,104 @@
+"""How often a 2-rank gloo job aborts after its last line ("terminate called without an active
+exception", SIGABRT), per variant of one small training script (issue 32, item 4).
+
+    .venv/bin/python benchmarks/exit_abort.py --runs 20 [--variants onebit,plain_sync,...]
+
+Each run is ``torchrun --nproc_per_node 2`` of this file as a worker: a 33K-parameter MLP, 20
+steps, ``destroy_process_group()`` at the end. A run counts as aborted when torchrun exits
+non-zero or a rank printed "terminate called". Variants:
+
+    onebit          OneBitAdam averaging its own gradients (freeze_step=5: compresses)
+    onebit_warmup   the same, freeze_step=1000 (warm-up only)
+    onebit_sleep    onebit_warmup, a 50 ms sleep before destroy_process_group()
+    onebit_gc       onebit_warmup, gc.collect() before destroy_process_group()
+    onebit_noavg    OneBitAdam(average_grads=False), the script averaging with dist.all_reduce
+    plain_sync      torch.optim.Adam, gradients averaged with dist.all_reduce
+    plain_async     the same with async_op=True per parameter
+
+Results: a table on stdout and a record appended to benchmarks/results/exit_abort.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = ("onebit", "onebit_warmup", "onebit_sleep", "onebit_gc", "onebit_noavg",
+            "plain_sync", "plain_async")
+
+
+def worker(variant: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 64))
+    params = list(model.parameters())
+    if variant.startswith("onebit"):
+        from onebit_plugin import OneBitAdam
+
+        opt = OneBitAdam(params, lr=1e-3, freeze_step=5 if variant == "onebit" else 1000,
+                         average_grads=variant != "onebit_noavg")
+    else:
+        opt = torch.optim.Adam(params, lr=1e-3)
+    averages = variant in ("onebit_noavg", "plain_sync", "plain_async")
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(20):
+        x = torch.randn(32, 64, generator=gen)
+        opt.zero_grad()
+        (model(x) - x).square().mean().backward()
+        if averages:
+            works = [dist.all_reduce(p.grad, async_op=variant == "plain_async") for p in params]
+            for work in works if variant == "plain_async" else ():
+                work.wait()
+            for p in params:
+                p.grad.div_(world)
+        opt.step()
+    if variant == "onebit_sleep":
+        time.sleep(0.05)
+    if variant == "onebit_gc":
+        import gc
+
+        gc.collect()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.worker)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from record import append_run
+
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    counts = {}
+    for variant in args.variants.split(","):
+        if variant not in VARIANTS:
+            parser.error(f"unknown variant {variant!r}; one of {', '.join(VARIANTS)}")
+        aborted = 0
+        for i in range(args.runs):
+            proc = subprocess.run(
+                [torchrun, "--nproc_per_node", "2", "--master_port", str(29600 + i % 50),
+                 __file__, "--worker", variant], capture_output=True, text=True, timeout=300,
+                env={**os.environ, "PYTHONPATH": str(ROOT)})
+            aborted += proc.returncode != 0 or "terminate called" in proc.stdout + proc.stderr
+        counts[variant] = aborted
+        print(f"| {variant} | {aborted} of {args.runs} aborted |", flush=True)
+    path = append_run("exit_abort", None, {"runs": args.runs, "aborted": counts})
+    print(f"appended the run to {path}")
+
+
+if __name__ == "__main__":
+    main()
