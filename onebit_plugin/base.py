@@ -33,15 +33,25 @@ from onebit_plugin.clipping import (
     check_clip_args,
     clip_coefficient,
     compression_stage_norm,
+    say_late_clip,
     value_clipping_error,
 )
 from onebit_plugin.config import OneBitConfig
 from onebit_plugin.freeze import AutoFreeze, current_roots
 from onebit_plugin.handoff import HandOff
 from onebit_plugin.masks import negligible_root
-from onebit_plugin.momentum import MomentumUnit, build_units, partition, update_rows
+from onebit_plugin.momentum import (
+    MomentumUnit,
+    build_units,
+    init_states_in_unit_order,
+    new_state,
+    partition,
+    update_rows,
+)
 from onebit_plugin.norm_sketch import NormSketch, sketch_width
 from onebit_plugin.policy import Policy
+from onebit_plugin.run_length import RunLength
+from onebit_plugin.update import say_if_rounded_away
 from onebit_plugin.warmup import average_gradients, ring_bytes
 
 __all__ = ["COMPRESSION", "DEFAULT_UNIT_MB", "WARMUP", "OneBitOptimizer"]
@@ -79,21 +89,14 @@ class OneBitOptimizer(Optimizer):
                 )
             self._masks[p] = m.to(device=p.device, dtype=torch.bool)
         rank_checks.reject_sharded(self._trainable())
-        low = [p for p in self._trainable() if p.dtype in (torch.bfloat16, torch.float16)]
-        if low and not config.master_weights:
-            log.warning("onebit: %d parameter tensors are %s without master_weights=True: an "
-                        "update smaller than half an ulp of the value (1/256 for bf16) is "
-                        "rounded away at every step (measured: +0.4%% to +3.3%% validation loss "
-                        "against fp32 parameters; within 0.3%% with master_weights=True)",
-                        len(low), low[0].dtype)
+        say_if_rounded_away(self._trainable(), config.master_weights)
         devices = {p.device for p in self._trainable()}
         if len(devices) > 1:
             raise ValueError(
                 f"{type(self).__name__} needs all parameters on one device, got "
                 f"{sorted(map(str, devices))}"
             )
-        self.total_steps = config.total_steps  # the run's optimizer steps, when known
-        self._said_never = self._said_uncompressed = False
+        self.run_length = RunLength(config.total_steps)
         self.global_step = 0
         self.switch_step: int | None = None
         self.skipped_steps = 0  # steps skipped on every rank for a non-finite gradient
@@ -114,7 +117,7 @@ class OneBitOptimizer(Optimizer):
         self._hook_params: set | None = None  # what the DDP hook averages, once registered
         # Set when the first step's gradients were already identical on every rank.
         self.averaged_elsewhere = False
-        self._say_if_never_compressed()
+        self.run_length.say_if_never(self.freeze_step, False, self._rank)
 
     # ----------------------------------------------------------------------------- properties
     @property
@@ -205,51 +208,34 @@ class OneBitOptimizer(Optimizer):
         self.counts.detach()  # resumed before the hook existed: the counts go on
         return self._comm_group
 
+    @property
+    def total_steps(self) -> int | None:
+        """The run's optimizer steps, when known (``total_steps``, or ``set_total_steps``)."""
+        return self.run_length.total
+
     def set_total_steps(self, total_steps: int) -> None:
         """The run's length in optimizer steps, from whoever knows it (the integrations call
         it): ``freeze_step="auto"``'s ceiling, and a fixed ``freeze_step`` at or past it is said
         at once (the run would never compress)."""
-        if self.total_steps is None:
-            self.total_steps = int(total_steps)
+        self.run_length.learn(total_steps)
         if self.auto_freeze is not None and self.auto_freeze.total_steps is None:
             self.auto_freeze.total_steps = int(total_steps)
-        self._say_if_never_compressed()
+        self.run_length.say_if_never(self.freeze_step, self.switch_step is not None, self._rank)
 
     def compresses_within_run(self) -> bool | None:
-        """Whether the compression stage begins before the run ends: None while the run's
-        length is unknown (``total_steps``); with ``freeze_step="auto"`` True (it freezes at
-        20% of the run at the latest)."""
-        if self.switch_step is not None or self.auto_freeze is not None:
-            return True if self.switch_step is not None or self.total_steps else None
-        if self.total_steps is None:
-            return None
-        return self.config.freeze_step < self.total_steps
-
-    def _say_if_never_compressed(self) -> None:
-        if self.compresses_within_run() is not False or self._said_never:
-            return
-        self._said_never = True
-        if _size_and_rank(self.process_group)[1] == 0:  # once per job
-            total = self.total_steps
-            low, high = max(1, round(0.15 * total)), max(1, round(0.25 * total))
-            log.warning(
-                "onebit: freeze_step=%d is at or past the end of the run (%d optimizer steps): "
-                "the variance never freezes, the whole run is uncompressed Adam and nothing is "
-                "compressed. Pass a freeze_step below %d (the paper uses 15-25%% of the run: "
-                "%s here), or freeze_step='auto'", self.config.freeze_step, total, total,
-                f"{low}-{high}" if high > low else f"about {low}")
+        """Whether the compression stage begins before the run ends (None: its length is not
+        known; ``onebit_plugin.run_length``)."""
+        return self.run_length.reaches(self.freeze_step, self.switch_step is not None)
 
     def training_ended(self) -> None:
         """Training is over (the integrations call it; a loop of one's own may): when it never
         reached the compression stage, that is said once, on rank 0."""
-        if self.switch_step is not None or self.global_step == 0 or self._said_uncompressed:
-            return
-        self._said_uncompressed = True
-        if _size_and_rank(self.process_group)[1] == 0:
-            log.warning("onebit: training ended after %d optimizer steps, all of them in the "
-                        "uncompressed warm-up (freeze_step=%s): nothing was compressed. A "
-                        "freeze_step of 15-25%% of the run's steps (or 'auto' with the run's "
-                        "length) compresses the rest", self.global_step, self.config.freeze_step)
+        self.run_length.say_ended(self.global_step, self.freeze_step,
+                                  self.switch_step is not None, self._rank)
+
+    @property
+    def _rank(self) -> int:
+        return _size_and_rank(self.process_group)[1]
 
     # ------------------------------------------------------------------------------- clipping
     @torch.no_grad()
@@ -286,9 +272,7 @@ class OneBitOptimizer(Optimizer):
         if late:  # the same on every rank: the hook ran, and nobody had clipped, everywhere
             if not self._said_late_clip:
                 self._said_late_clip = True
-                log.warning("onebit: clip_grad_norm_ was first called in the compression stage, "
-                            "after the DDP hook had folded this step's gradients unsketched: "
-                            "this step is not clipped (nan returned); the next ones are")
+                say_late_clip()
             return torch.full((), math.nan, device=device)
         estimate, sent = compression_stage_norm(trainable, handoff, self.world_size,
                                                 self.comm_group, self.comm_timeout, device)
@@ -429,35 +413,19 @@ class OneBitOptimizer(Optimizer):
             state["master"] = p.detach().float()
         return state["master"]
 
-    def _init_state(self, p: torch.Tensor, exp_avg: torch.Tensor | None = None) -> dict:
-        state = self.state[p]
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        state["exp_avg"] = (torch.zeros_like(p, dtype=torch.float32) if exp_avg is None
-                            else exp_avg)
-        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
-        return state
+    def _init_state(self, p: torch.Tensor) -> dict:
+        return new_state(self.state[p], p)
 
     def _init_states(self, params: list[torch.Tensor]) -> None:
-        """The state of ``params`` (none yet), their momenta back to back in one buffer in
-        the order the momentum units will lay them out: the freeze then takes that memory as
-        the units' momentum instead of copying it into new memory (``MomentumUnit``)."""
-        if len(params) < 2 or len({p.device for p in params}) > 1 or \
-                any(p.layout != torch.strided for p in params):
-            return  # each its own, in _init_state
-        order = {p: i for i, p in enumerate(
-            q for unit in partition(self._trainable(), self._unit_cap_bytes) for q in unit)}
-        params = sorted(params, key=lambda p: order.get(p, len(order)))
-        flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32,
-                           device=params[0].device)
-        for p, m in zip(params, flat.split([p.numel() for p in params]), strict=True):
-            self._init_state(p, m.view(p.shape))
+        init_states_in_unit_order(self.state, params,
+                                  partition(self._trainable(), self._unit_cap_bytes))
 
     # ---------------------------------------------------------------------- the stage change
     def _freeze_due(self, applied: int) -> bool:
         """The ``freeze_step`` rule: that step, or ``"auto"`` (``onebit_plugin.freeze``)."""
         if self.auto_freeze is None:
             return applied >= self.config.freeze_step
-        rank = _size_and_rank(self.process_group)[1]
+        rank = self._rank
         return self.auto_freeze.due(
             applied, lambda: current_roots(self.param_groups, self.state), negligible_root, rank)
 
@@ -470,7 +438,7 @@ class OneBitOptimizer(Optimizer):
             # "step" to the GPU on resume, and reading it per step would then sync the host.
             state["frozen_step"] = max(float(state["step"]), 1.0)
         self.switch_step = self.global_step
-        if _size_and_rank(self.process_group)[1] == 0:  # once per job, like the freeze
+        if self._rank == 0:  # once per job, like the freeze
             log.info("%s", self.switch_message())
 
     def switch_message(self) -> str | None:
@@ -527,32 +495,7 @@ class OneBitOptimizer(Optimizer):
         if not ok:
             return self._skip()
         self._skip_streak = 0
-        coef = handoff.clip_coef if handoff.clip_coef is not None and handoff.clip_coef < 1 \
-            else None
-        # Some p.grad held local gradients (units left to step()) beside averaged momenta.
-        mixed = bool(averaged) and len(averaged) < len(self.units)
-        for unit in self.units:
-            # The new momentum is in the fold buffer, or still encoded (decoded by the update's
-            # pass, which copies it over the old one; the fold buffer then serves the torch
-            # passes as scratch). What reads it as a tensor first has it decoded.
-            if unit in averaged or coef is not None:
-                unit.decode_()
-                for p in unit.params:
-                    new = unit.view(p, unit.local)
-                    # The hook handed the average to DDP as p.grad (rounded to p.grad's dtype).
-                    # If something changed it since (torch's clip_grad_norm_, say), p.grad is
-                    # used, and said: the same change on every rank, as long as every p.grad
-                    # held an average. Beside local gradients it is not, and ignored.
-                    # Compared only when p.grad is not the bucket view the hook wrote last,
-                    # or was written since (a pass over both: 8 ms per 6.5M values on one
-                    # CPU thread, as much as the rest of the step's compression work).
-                    if unit in averaged and p.grad is not None and handoff.changed(p) and \
-                            not torch.equal(p.grad, new.to(p.grad.dtype)):
-                        handoff.say_once("mixed" if mixed else "momentum")
-                        if not mixed:
-                            new.copy_(p.grad)
-                    if coef is not None:
-                        unit.clip_(p, new, coef)
+        handoff.settle(self.units)
         rows, counting = self._update_rows()
         if counting is None:
             self._steps.add_(1.0)

@@ -7,6 +7,7 @@ momentum by ``max_norm / norm``.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -17,7 +18,9 @@ from onebit_plugin.handoff import HandOff
 from onebit_plugin.norm_sketch import squared_norm
 from onebit_plugin.warmup import ring_bytes
 
-__all__ = ["check_clip_args", "clip_coefficient", "compression_stage_norm",
+log = logging.getLogger("onebit_plugin")
+
+__all__ = ["check_clip_args", "say_late_clip", "clip_coefficient", "compression_stage_norm",
            "value_clipping_error"]
 
 
@@ -66,6 +69,12 @@ def check_clip_args(max_norm: float, norm_type: float, params, trainable: list) 
                 f"trainable parameters together; {len(given)} were given, "
                 f"{len(given - set(trainable))} of them not the optimizer's: in the "
                 "compression stage only the whole gradient's norm can be clipped")
+
+
+def say_late_clip() -> None:
+    log.warning("onebit: clip_grad_norm_ was first called in the compression stage, after the "
+                "DDP hook had folded this step's gradients unsketched: this step is not clipped "
+                "(nan returned); the next ones are")
 
 
 def value_clipping_error(clip_value: float) -> ValueError:

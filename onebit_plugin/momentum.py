@@ -19,7 +19,8 @@ from onebit_plugin.deferred import Encoded, Fold
 from onebit_plugin.masks import keep_mask, negligible_root
 from onebit_plugin.update import clip_folded_, corrected_root
 
-__all__ = ["MomentumUnit", "build_units", "partition", "update_rows"]
+__all__ = ["MomentumUnit", "build_units", "init_states_in_unit_order", "new_state", "partition",
+           "update_rows"]
 
 
 def partition(params: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
@@ -248,3 +249,29 @@ def update_rows(param_groups: list[dict], unit_of: dict, step_index: dict,
     counting = [i for row in rows for i in row[2]]
     return rows, (None if len(counting) == counters else
                   torch.tensor(counting, dtype=torch.int64))
+
+
+def new_state(state: dict, p: torch.Tensor, exp_avg: torch.Tensor | None = None) -> dict:
+    """Adam's state for ``p`` in ``state`` (its dict in the optimizer's state), fp32 whatever
+    ``p``'s dtype; ``exp_avg``: memory to take as the momentum."""
+    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32) if exp_avg is None else exp_avg
+    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+    return state
+
+
+def init_states_in_unit_order(states, params: list[torch.Tensor],
+                              units: list[list[torch.Tensor]]) -> None:
+    """The state of ``params`` (none yet), their momenta back to back in one buffer in the
+    order ``units`` (:func:`partition`) lays them out: the freeze then takes that memory as the
+    units' momentum instead of copying it into new memory (``MomentumUnit``). Parameters on
+    several devices or not strided get each its own, later."""
+    if len(params) < 2 or len({p.device for p in params}) > 1 or \
+            any(p.layout != torch.strided for p in params):
+        return
+    order = {p: i for i, p in enumerate(q for unit in units for q in unit)}
+    params = sorted(params, key=lambda p: order.get(p, len(order)))
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32,
+                       device=params[0].device)
+    for p, m in zip(params, flat.split([p.numel() for p in params]), strict=True):
+        new_state(states[p], p, m.view(p.shape))

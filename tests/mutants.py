@@ -236,9 +236,10 @@ MUTANTS = [
        "kernels/sign_compress.py",
        "tl.div_rn(total, world.to(tl.float32))", "total / world",
        "tests/test_kernels.py::test_kernels_compile_for_a_gpu_without_one"),
-    _m("clip-coefficient-ignored", "row: clipping with Adam's meaning", BASE,
-       "        coef = handoff.clip_coef if handoff.clip_coef is not None and handoff.clip_coef "
-       "< 1 \\\n            else None\n", "        coef = None\n",
+    _m("clip-coefficient-ignored", "row: clipping with Adam's meaning",
+       "onebit_plugin/handoff.py",
+       "        coef = self.clip_coef if self.clip_coef is not None and self.clip_coef < 1 "
+       "else None\n", "        coef = None\n",
        "tests/test_clipping.py::test_single_process_clips_the_gradient_inside_the_momentum"),
     _m("no-master-weights", "row: bf16 master weights", BASE,
        "        if not self.config.master_weights or p.dtype == torch.float32:\n",
