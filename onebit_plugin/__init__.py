@@ -1,8 +1,11 @@
-"""onebit-plugin: 1-bit Adam (Tang et al., ICML 2021) for PyTorch.
+"""onebit-plugin: 1-bit Adam (Tang et al., ICML 2021) and 0/1 Adam (Lu et al., ICLR 2023) for
+PyTorch.
 
 ``OneBitAdam`` is a ``torch.optim.Optimizer``: Adam during a warm-up, then Adam with a frozen
 variance whose momentum is averaged across ranks by ``compressed_allreduce`` -- 1-bit signs with
 error feedback on the worker and the server side, about 1/32 of an fp32 allreduce's bytes.
+``ZeroOneAdam`` refreshes the variance on a few full-precision steps instead of freezing it
+after a long warm-up, then takes local steps between 1-bit syncs.
 """
 
 from onebit_plugin.allreduce import (
@@ -22,6 +25,7 @@ from onebit_plugin.momentum import MomentumUnit
 from onebit_plugin.optimizer import OneBitAdam
 from onebit_plugin.policy import AdamPolicy, ExactMomentum, Exchange, OneBitMomentum, Policy
 from onebit_plugin.update import adam_update_, frozen_denominator, frozen_update_
+from onebit_plugin.zero_one import ZeroOneAdam, ZeroOnePolicy
 
 __all__ = [
     "AdamPolicy",
@@ -40,6 +44,8 @@ __all__ = [
     "OneBitMomentum",
     "OneBitOptimizer",
     "Policy",
+    "ZeroOneAdam",
+    "ZeroOnePolicy",
     "adam_update_",
     "check_lockstep",
     "compressed_allreduce",

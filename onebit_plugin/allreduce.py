@@ -171,12 +171,16 @@ class Plan:
 
     def __init__(self, layout: ChunkLayout, keep: torch.Tensor | None, device, rank: int,
                  wire: bool):
-        self.layout, self.device = layout, resolve_device(device)
-        self.mask = CoordinateMask.build(layout, keep, self.device)
-        self.chunk_mask = self.mask.chunk(layout, rank)
+        self.layout, self.device, self.rank = layout, resolve_device(device), rank
+        self.remask_(keep)
         self.wire = _WireBuffers(layout, self.device) if wire else None
         # The last reduce_ left its average encoded in the wire buffers (decode=False).
         self.encoded = False
+
+    def remask_(self, keep: torch.Tensor | None) -> None:
+        """Take ``keep`` (flat bool over the unpadded values, or None: all) as the mask."""
+        self.mask = CoordinateMask.build(self.layout, keep, self.device)
+        self.chunk_mask = self.mask.chunk(self.layout, self.rank)
 
     def new_errors(self) -> dict[str, torch.Tensor]:
         """Zero error buffers for this plan: ``worker`` (padded numel) and ``server`` (one

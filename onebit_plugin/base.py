@@ -37,8 +37,10 @@ from onebit_plugin.clipping import (
     value_clipping_error,
 )
 from onebit_plugin.config import OneBitConfig
+from onebit_plugin.deferred import as_fp32
 from onebit_plugin.freeze import AutoFreeze, current_roots
 from onebit_plugin.handoff import HandOff
+from onebit_plugin.local_steps import LocalSteps
 from onebit_plugin.masks import negligible_root
 from onebit_plugin.momentum import (
     MomentumUnit,
@@ -46,10 +48,11 @@ from onebit_plugin.momentum import (
     init_states_in_unit_order,
     new_state,
     partition,
+    refresh_denominators,
     update_rows,
 )
 from onebit_plugin.norm_sketch import NormSketch, sketch_width
-from onebit_plugin.policy import Policy
+from onebit_plugin.policy import EXACT, LOCAL, MOMENTUM, SYNC, Policy
 from onebit_plugin.run_length import RunLength
 from onebit_plugin.update import say_if_rounded_away
 from onebit_plugin.warmup import average_gradients, ring_bytes
@@ -112,6 +115,8 @@ class OneBitOptimizer(Optimizer):
         self._rows: tuple | None = None  # per group, what the update reads (_update_rows)
         self._saved: dict = {}  # the units' errors from a checkpoint, until they are built
         self.handoff = HandOff()  # what backward leaves for step(), reset once per step
+        self.local_steps: LocalSteps | None = None  # between syncs (a member with local steps)
+        self._local_streak = 0
         self._grad_flat: torch.Tensor | None = None
         self._settings_checked = False
         self._hook_params: set | None = None  # what the DDP hook averages, once registered
@@ -123,6 +128,17 @@ class OneBitOptimizer(Optimizer):
     @property
     def stage(self) -> str:
         return WARMUP if self.switch_step is None else COMPRESSION
+
+    @property
+    def coming_exchange(self) -> str:
+        """What the coming step exchanges (``onebit_plugin.policy``): ``"exact"`` in warm-up,
+        else the policy's word for step ``global_step + 1``. The DDP hook follows it."""
+        return self._exchange_at(self.global_step + 1)
+
+    def _exchange_at(self, t: int) -> str:
+        if self.switch_step is None:
+            return EXACT
+        return self.policy.exchange_at(t, self.run_length.total)
 
     @property
     def freeze_step(self) -> int | str:
@@ -260,9 +276,14 @@ class OneBitOptimizer(Optimizer):
         check_clip_args(max_norm, norm_type, params, trainable)
         device = trainable[0].device if trainable else torch.device("cpu")
         handoff = self.handoff
+        coming = self.coming_exchange
+        if coming in (LOCAL, SYNC):
+            # Each rank holds only its own gradient, and a local step sends nothing: clipped
+            # by its own norm, as local SGD clips (docs/usage.md, "0/1 Adam").
+            return torch.nn.utils.clip_grad_norm_(trainable, max_norm, norm_type)
         late = handoff.sketch is None and bool(handoff.averaged)  # folded, never sketched
         self._start_sketching()
-        if self.switch_step is None:
+        if coming == EXACT:
             if self.config.average_grads and self.world_size > 1 and not handoff.grads_averaged:
                 self._average_gradients()
                 handoff.grads_averaged = True
@@ -338,16 +359,26 @@ class OneBitOptimizer(Optimizer):
             self._check_ranks_agree(trainable)
         self._settings_checked = True
         if self.switch_step is not None:
-            return self._compression_step()
+            kind = self._exchange_at(self.global_step)
+            if kind == MOMENTUM:
+                return self._compression_step()
+            if kind != EXACT:
+                return self._local_step(sync=kind == SYNC)
+        self._exact_gradients(trainable)
+        if self.switch_step is not None:
+            return self._refresh_step()
+        self._warmup_step()
+        if self.policy.stage_changes(self.global_step - self.skipped_steps,  # applied steps
+                                     self._freeze_due):
+            self._freeze()
+
+    def _exact_gradients(self, trainable: list[torch.Tensor]) -> None:
+        """The gradients averaged across ranks in full precision, here or by the DDP hook."""
         if self.config.average_grads and self.world_size > 1 and \
                 not self.handoff.grads_averaged:
             self._average_gradients()
         if self._hook_params is not None:
             rank_checks.check_reduced(self.param_groups, trainable, self.handoff.reduced)
-        self._warmup_step()
-        if self.policy.stage_changes(self.global_step - self.skipped_steps,  # applied steps
-                                     self._freeze_due):
-            self._freeze()
 
     def _check_ranks_agree(self, params: list[torch.Tensor]) -> None:
         rank_checks.check_launched()
@@ -355,15 +386,19 @@ class OneBitOptimizer(Optimizer):
             return
         settings = {
             **self.config.agreement(self.auto_freeze.total_steps if self.auto_freeze else None),
+            **self.policy.agreement(self.run_length.total),
             "bucket bytes": self._unit_cap_bytes, "global_step": self.global_step,
             "trainable parameters": len(params),
             "trainable values": sum(p.numel() for p in params),
         }
         grads = rank_checks.grad_fingerprint(
             params, self._hook_params is not None or self.handoff.grads_averaged)
+        between = self._saved.get("local_steps") or (
+            self.local_steps is not None and self.local_steps.steps and
+            {"anchors": list(self.local_steps.anchor.values())})
         same = rank_checks.check_settings_agree(
             settings, self.param_groups, params, grads, self.world_size, self.comm_group,
-            self.comm_timeout, self.global_step)
+            self.comm_timeout, self.global_step, between["anchors"] if between else None)
         if same and not self.averaged_elsewhere:
             self.averaged_elsewhere = True
             rank_checks.say_averaged_elsewhere(self.world_size)
@@ -475,6 +510,10 @@ class OneBitOptimizer(Optimizer):
         self._rows = None
         if saved is not None:
             checkpoint.load_unit_errors(self, saved)
+        local = self._saved.pop("local_steps", None)
+        if local is not None:
+            self.local_steps = LocalSteps(self._units, self._fp32_of, self.param_groups)
+            self.local_steps.load_state_dict(local, self._units)
 
     def _compression_step(self) -> None:
         """Every unit the DDP hook did not average during backward is folded and averaged here,
@@ -496,19 +535,109 @@ class OneBitOptimizer(Optimizer):
             return self._skip()
         self._skip_streak = 0
         handoff.settle(self.units)
-        rows, counting = self._update_rows()
+        self._frozen_update(self._count_step(), averaged=True)
+
+    def _count_step(self) -> list[float]:
+        """Advance the trainable parameters' step counters; every counter, as numbers."""
+        counting = self._update_rows()[1]
         if counting is None:
             self._steps.add_(1.0)
         else:  # some parameters of the units are not trainable now: their counts stay
             self._steps.index_add_(0, counting, torch.ones(counting.numel()))
-        counts = self._steps.tolist()
-        for group, params, index, units, exp_avgs, denoms in rows:
+        return self._steps.tolist()
+
+    def _frozen_update(self, counts: list[float], *, averaged: bool) -> None:
+        """The policy's compression-stage update of every group over the units' denominators,
+        from the units' averages (``averaged``) or from the momenta as they are."""
+        for group, params, index, units, exp_avgs, denoms in self._update_rows()[0]:
             self.policy.compression_update_(
                 group, params, exp_avgs, denoms, [counts[i] for i in index],
                 bounded=self.config.bound_update,
                 masters=([self._master(p, self.state[p]) for p in params]
                          if self.config.master_weights else None),
-                averaged=[u.averaged(p) for u, p in zip(units, params, strict=True)])
+                averaged=([u.averaged(p) for u, p in zip(units, params, strict=True)]
+                          if averaged else None))
+
+    def _refresh_step(self) -> None:
+        """A full-precision step of the compression stage (a member's variance refresh, on
+        gradients averaged exactly): momenta and variances from the averaged gradients, the
+        units' denominators and masks from the variances, then the frozen-variance update."""
+        trainable = self._trainable()
+        if not all_finite([p.grad for p in trainable if p.grad is not None]):
+            return self._skip()  # averaged: the same decision on every rank
+        self._skip_streak = 0
+        for group, params, _, _, exp_avgs, _ in self._update_rows()[0]:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            self.policy.refresh_moments_(group, params, grads, [self.state[p] for p in params],
+                                         exp_avgs)
+        refresh_denominators(self.units, self.state,
+                             {p: g for g in self.param_groups for p in g["params"]},
+                             self._masks, self.config.mask_zero_variance)
+        self._frozen_update(self._count_step(), averaged=False)
+
+    def _local_step(self, sync: bool) -> None:
+        """A step on this rank's own gradients, sending nothing (``onebit_plugin.local_steps``);
+        with ``sync``, then the average of every rank's update since the last sync, after
+        which every rank holds the same parameters and momenta."""
+        units = self.units
+        if self.local_steps is None:  # the first local step: the ranks are on one point now
+            self.local_steps = LocalSteps(units, self._fp32_of, self.param_groups)
+        trainable = self._trainable()
+        grads = {p: p.grad for p in trainable}
+        counts = self._count_step()  # every rank counts the step: counts stay the same
+        if all_finite([g for g in grads.values() if g is not None]):
+            self._local_streak = 0
+            LocalSteps.fold_(units, grads)
+            self._frozen_update(counts, averaged=False)
+        else:
+            self._skip_locally()
+        self.local_steps.advance(self.param_groups)
+        # What DDP with Adam would have sent for this step, for compression_ratio.
+        self.counts.add_exact(0, ring_bytes(4 * sum(p.numel() for p in trainable),
+                                            self.world_size) if not sync else 0)
+        if sync:
+            self._sync(counts)
+
+    def _sync(self, counts: list[float]) -> None:
+        # m's bias correction 1 - b1**t at each parameter's count.
+        corrections = {p: 1 - unit.hypers[p]["betas"][0] ** counts[self._step_index[p]]
+                       for unit in self.units for p in unit.params}
+        local = self.local_steps
+        ok = local.send_(self.units, self.communicator, self.param_groups, self._fp32_of,
+                         corrections)
+        if not ok:
+            log.warning("onebit: the sync at step %d was not finite on some rank: every rank "
+                        "goes back to the last sync's point (decayed), the %d local steps "
+                        "since are dropped and the momentum restarts from zero",
+                        self.global_step, local.steps)
+            self.skipped_steps += 1
+        local.land_(self.units, self.param_groups, self._fp32_of, self._land, corrections,
+                    ok=ok, bounded=self.config.bound_update)
+
+    def _skip_locally(self) -> None:
+        """This rank's gradient was inf or NaN in a local step: this rank does not move (the
+        others, which send nothing now, do not know); an error after ``max_skipped_steps``
+        in a row."""
+        self._local_streak += 1
+        log.warning("onebit: local step %d skipped on rank %d: its gradient was inf or NaN "
+                    "(%d in a row)", self.global_step, self._rank, self._local_streak)
+        if self._local_streak >= self.config.max_skipped_steps:
+            raise RuntimeError(
+                f"onebit: {self._local_streak} local steps in a row were skipped on rank "
+                f"{self._rank} for inf/NaN gradients: lower the learning rate, clip gradients "
+                "or check the data; max_skipped_steps sets this limit")
+
+    def _fp32_of(self, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s fp32 values: its master copy, itself, or an fp32 copy."""
+        master = self._master(p, self.state[p]) if self.config.master_weights else None
+        return master if master is not None else as_fp32(p)
+
+    def _land(self, p: torch.Tensor, x: torch.Tensor) -> None:
+        """``p`` (and its master copy) takes the fp32 values ``x``."""
+        master = self._master(p, self.state[p]) if self.config.master_weights else None
+        if master is not None:
+            master.copy_(x)
+        p.copy_(x)
 
     def _update_rows(self) -> tuple[list, torch.Tensor | None]:
         """``momentum.update_rows``, made again when the trainable parameters change (one of
@@ -547,8 +676,38 @@ class OneBitOptimizer(Optimizer):
         state, and the ranks' settings checked again at the next step."""
         self._units, self._unit_of = None, {}
         self._steps = self._rows = None
+        self.local_steps = None  # rebuilt with the units, from a checkpoint's if it has one
         self.handoff.reset()
         self._settings_checked = False
+
+    def _local_state(self) -> dict | None:
+        """Between syncs, what this rank needs to go on (``checkpoint.onebit_state``): the
+        local-step state, and this rank's own parameters and momenta, which differ from the
+        other ranks' (Lightning and Fabric save rank 0's weights only). None at a sync point:
+        every rank is on the same point, which the model's weights hold."""
+        local = self.local_steps
+        if local is None or local.steps == 0:
+            return None
+        trainable = self._trainable()
+        return {**local.state_dict(self.units),
+                "params": [self._fp32_of(p).clone() for p in trainable],
+                "momenta": [self.state[p]["exp_avg"].clone() for p in trainable]}
+
+    def _load_local_state(self, saved: dict | None) -> None:
+        """This rank's parameters and momenta between syncs, now (after the model's weights);
+        the rest when the units are built."""
+        self._saved["local_steps"] = saved
+        if saved is None:
+            return
+        trainable = self._trainable()
+        if len(saved["params"]) != len(trainable):
+            raise ValueError(f"the checkpoint's local steps hold {len(saved['params'])} "
+                             f"parameters, this optimizer has {len(trainable)} trainable")
+        with torch.no_grad():
+            for p, values, momentum in zip(trainable, saved["params"], saved["momenta"],
+                                           strict=True):
+                self._land(p, values.to(p.device))
+                self.state[p]["exp_avg"].copy_(momentum)
 
     def __getstate__(self) -> dict:
         # torch's Optimizer pickles only defaults, state and param_groups; keep ours too, less

@@ -29,7 +29,8 @@ def onebit_state(opt) -> dict:
             "world_size": opt.world_size,
             "rank": group_size_and_rank(opt.process_group)[1],
             "unit_cap_bytes": opt._unit_cap_bytes, **opt.counts.state_dict(),
-            "clipping": opt.handoff.sketch is not None, "units": units}
+            "clipping": opt.handoff.sketch is not None, "units": units,
+            "local_steps": opt._local_state()}
 
 
 def load_state(opt, state_dict: dict, torch_load) -> None:
@@ -99,6 +100,7 @@ def load_onebit_state(opt, onebit: dict) -> None:
         opt._saved.update(units=onebit["units"], unit_cap_bytes=onebit["unit_cap_bytes"],
                           rank=onebit.get("rank"))  # absent in states saved before this field
     opt._forget_layout()
+    opt._load_local_state(onebit.get("local_steps"))
 
 
 def load_unit_errors(opt, saved: list[dict]) -> None:

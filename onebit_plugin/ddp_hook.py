@@ -42,8 +42,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from onebit_plugin.allreduce import comm_executor
-from onebit_plugin.base import WARMUP, OneBitOptimizer
+from onebit_plugin.base import OneBitOptimizer
 from onebit_plugin.momentum import MomentumUnit
+from onebit_plugin.policy import EXACT, LOCAL, SYNC
 
 __all__ = ["OneBitHookState", "onebit_hook", "register_onebit_hook"]
 
@@ -165,7 +166,8 @@ def onebit_hook(
     opt = state.optimizer
     handoff = opt.handoff  # what this backward leaves for step()
     buffer = bucket.buffer()
-    if opt.stage == WARMUP:
+    coming = opt.coming_exchange
+    if coming == EXACT:  # warm-up, or a variance refresh
         handoff.note_reduced(bucket.parameters())  # step() refuses gradients no bucket averaged
         # DDP's default reduction, bits included: multiply by 1/W, then sum. Its reducer
         # multiplies each gradient by double(1) / W as it copies it into the bucket; dividing
@@ -175,6 +177,10 @@ def onebit_hook(
         opt.count_uncompressed(buffer.nbytes)
         work = dist.all_reduce(buffer, group=state.comm_group, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
+    if coming in (LOCAL, SYNC):  # a local step: nothing is sent, step() syncs when due
+        local: torch.futures.Future = torch.futures.Future()
+        local.set_result(buffer)
+        return local
     if not state.overlap:
         if state.bucket_views:  # p.grad itself: step() can tell whether it changed
             for p, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):

@@ -20,7 +20,7 @@ from onebit_plugin.masks import keep_mask, negligible_root
 from onebit_plugin.update import clip_folded_, corrected_root
 
 __all__ = ["MomentumUnit", "build_units", "init_states_in_unit_order", "new_state", "partition",
-           "update_rows"]
+           "refresh_denominators", "update_rows"]
 
 
 def partition(params: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
@@ -110,6 +110,18 @@ class MomentumUnit:
                        for b in (self.momentum, self.local, self.denom)}
         self._encoded = None  # averaged()'s parts, made at its first use (the wire is fixed)
 
+    def remask_(self, keep: torch.Tensor) -> None:
+        """The mask again (``refresh_denominators``): masked coordinates' momentum is cleared;
+        a changed mask clears their errors too, and the communicator's plan takes it."""
+        if not torch.equal(keep, self.plan.mask.keep[: keep.numel()]):
+            masked = keep.logical_not()
+            self.masked = masked if int(masked.count_nonzero()) else None
+            self.plan.remask_(keep)
+            self.plan.clear_masked_(self.errors)
+            self._encoded = None  # its parts hold the old mask
+        if self.masked is not None:  # a refresh folded a gradient into masked momenta too
+            self.momentum.masked_fill_(self.masked, 0.0)
+
     def view(self, p: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """``p``'s slice of the momentum (or of ``buffer``), shaped like ``p``."""
         buffer = self.momentum if buffer is None else buffer
@@ -192,6 +204,21 @@ class MomentumUnit:
         self.plan.clear_masked_(self.errors)
 
 
+def _roots_into(params: list[torch.Tensor], state, groups: dict, out: torch.Tensor) -> None:
+    """Each parameter's ``sqrt(v_hat)`` (its variance at its ``frozen_step`` count) into its
+    piece of the flat ``out``, in layout order."""
+    for p, piece in zip(params, out.split([p.numel() for p in params]), strict=True):
+        corrected_root(state[p]["exp_avg_sq"].reshape(-1), state[p]["frozen_step"],
+                       beta2=groups[p]["betas"][1], out=piece)
+
+
+def _add_eps_(params: list[torch.Tensor], groups: dict, root: torch.Tensor) -> None:
+    offset = 0
+    for p in params:
+        root[offset : offset + p.numel()].add_(groups[p]["eps"])
+        offset += p.numel()
+
+
 def build_units(parts: list[list[torch.Tensor]], state, groups: dict, masks: dict,
                 mask_zero_variance: bool, comm, spare: torch.Tensor | None
                 ) -> list[MomentumUnit]:
@@ -208,9 +235,7 @@ def build_units(parts: list[list[torch.Tensor]], state, groups: dict, masks: dic
     for params in parts:
         root = torch.empty(sum(p.numel() for p in params), dtype=torch.float32,
                            device=params[0].device)
-        for p, piece in zip(params, root.split([p.numel() for p in params]), strict=True):
-            corrected_root(state[p]["exp_avg_sq"].reshape(-1), state[p]["frozen_step"],
-                           beta2=groups[p]["betas"][1], out=piece)
+        _roots_into(params, state, groups, root)
         roots.append(root)
     negligible = negligible_root(roots) if mask_zero_variance else 0.0
     units, start = [], 0
@@ -220,16 +245,26 @@ def build_units(parts: list[list[torch.Tensor]], state, groups: dict, masks: dic
                 start + root.numel() <= spare.numel():
             local, start = spare[start : start + root.numel()], start + root.numel()
         keep = keep_mask(params, root, negligible, mask_zero_variance, masks)
-        offset = 0
-        for p in params:
-            root[offset : offset + p.numel()].add_(groups[p]["eps"])
-            offset += p.numel()
+        _add_eps_(params, groups, root)
         unit = MomentumUnit(params, [state[p]["exp_avg"] for p in params], root, keep,
                             [groups[p] for p in params], comm, local)
         for p in params:
             state[p]["exp_avg"] = unit.view(p)
         units.append(unit)
     return units
+
+
+def refresh_denominators(units: list[MomentumUnit], state, groups: dict, masks: dict,
+                         mask_zero_variance: bool) -> None:
+    """After the variances changed (a refresh step of 0/1 Adam): every unit's denominator from
+    them, in place, and its mask again (a coordinate whose variance was zero may have a gradient
+    now, or the other way round); the same on every rank, from the same averaged gradients."""
+    for unit in units:
+        _roots_into(unit.params, state, groups, unit.denom)
+    negligible = negligible_root([u.denom for u in units]) if mask_zero_variance else 0.0
+    for unit in units:
+        unit.remask_(keep_mask(unit.params, unit.denom, negligible, mask_zero_variance, masks))
+        _add_eps_(unit.params, groups, unit.denom)
 
 
 def update_rows(param_groups: list[dict], unit_of: dict, step_index: dict,

@@ -12,7 +12,10 @@ clipping, rank checks, checkpoints):
 * how the update is made: :meth:`Policy.warmup_update_` on averaged gradients and
   :meth:`Policy.compression_update_` from the averaged momentum and the frozen denominator;
 * when the stage changes: :meth:`Policy.stage_changes` (by default the member's
-  ``freeze_step``, or ``"auto"``).
+  ``freeze_step``, or ``"auto"``);
+* what each compression-stage step exchanges (:meth:`Policy.exchange_at`): the momentum (1-bit
+  Adam, every step), or, for 0/1 Adam, averaged gradients that refresh the variance, nothing
+  (a local step) or the local steps' accumulated update (a sync).
 """
 
 from __future__ import annotations
@@ -24,7 +27,14 @@ import torch
 from onebit_plugin.allreduce import ExactAllreduce, OneBitAllreduce
 from onebit_plugin.update import adam_update_, frozen_update_
 
-__all__ = ["AdamPolicy", "ExactMomentum", "Exchange", "OneBitMomentum", "Policy"]
+__all__ = ["EXACT", "LOCAL", "MOMENTUM", "SYNC", "AdamPolicy", "ExactMomentum", "Exchange",
+           "OneBitMomentum", "Policy"]
+
+# What one step exchanges; the DDP hook reads it before backward (``coming_exchange``), step()
+# after: the gradients averaged in full precision (warm-up, or a variance refresh), the
+# momentum units through the policy's :class:`Exchange`, nothing (a local step), or a local
+# step and then the average of the local steps' accumulated update (a sync).
+EXACT, MOMENTUM, LOCAL, SYNC = "exact", "momentum", "local", "sync"
 
 
 class Exchange:
@@ -91,6 +101,25 @@ class Policy:
         starts now. ``freeze_due``: the member's ``freeze_step`` rule (a fixed step or
         ``"auto"``)."""
         return freeze_due(applied)
+
+    def exchange_at(self, t: int, total_steps: int | None) -> str:
+        """What compression-stage step ``t`` (``global_step`` once it is taken) of a run of
+        ``total_steps`` (None: not known) exchanges: :data:`MOMENTUM` here; a member with
+        refreshes or local steps says :data:`EXACT`, :data:`LOCAL` or :data:`SYNC` where it has
+        them."""
+        return MOMENTUM
+
+    def agreement(self, total_steps: int | None) -> dict[str, int]:
+        """The member's own settings every rank must share, as integers."""
+        return {}
+
+    def refresh_moments_(self, group: dict, params: list[torch.Tensor], grads, states,
+                         exp_avgs) -> None:
+        """An :data:`EXACT` compression-stage step: fold the averaged ``grads`` into the
+        momenta ``exp_avgs`` and the variances (``states``' ``exp_avg_sq``, whose
+        ``frozen_step`` counts the variance's updates); the base then refreshes the
+        denominators and applies :meth:`compression_update_`."""
+        raise NotImplementedError(f"{type(self).__name__} has no variance refreshes")
 
 
 class AdamPolicy(Policy):

@@ -95,11 +95,16 @@ def check_launched() -> None:
 
 
 def check_settings_agree(config: dict, param_groups, params: list, grad_print: torch.Tensor,
-                         world: int, group, timeout, step: int) -> bool:
+                         world: int, group, timeout, step: int,
+                         sync_point: list | None = None) -> bool:
     """First step (and first after a resume): every rank must run the same ``config`` (name:
     int), or the ranks would switch stages at different steps or lay the units out
     differently, and hold the same parameters. ``grad_print``: :func:`grad_fingerprint`.
-    Returns whether the gradients were identical on every rank (something averaged them)."""
+    ``sync_point``: between syncs of local steps, where the parameters differ by design, the
+    last sync's point (flat tensors), which must agree instead. Returns whether the gradients
+    were identical on every rank (something averaged them)."""
+    if sync_point is not None:
+        params = sync_point
     local = torch.tensor(list(config.values()), dtype=torch.int64)
     # The gradients' fingerprint (float64 bits as int64) and the parameters' travel in the
     # same gather.
@@ -116,6 +121,10 @@ def check_settings_agree(config: dict, param_groups, params: list, grad_print: t
                 f"OneBitAdam's {name} differs between ranks: {values} (rank "
                 f"0..{world - 1}); every rank must use the same settings and parameters"
             )
+    if len({int(g[-1]) for g in gathered}) > 1 and sync_point is not None:
+        raise ValueError(
+            f"onebit: the ranks resumed between syncs from different sync points at step "
+            f"{step}: every rank must load its own state of the same checkpoint")
     if len({int(g[-1]) for g in gathered}) > 1:  # as many parameters everywhere (above)
         every = _gather(weights, params, world, group, timeout, "the parameters check")
         differ = {p for i, p in enumerate(params) if len({int(w[i]) for w in every}) > 1}

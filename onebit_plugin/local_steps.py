@@ -1,0 +1,157 @@
+"""Local steps between syncs (0/1 Adam's phase B, Lu et al., ICLR 2023).
+
+Between syncs each rank folds its *own* gradient into its momentum and moves its parameters by
+the frozen-variance update: nothing is sent, and ranks differ by design. At a sync every rank
+sends what it moved since the last sync, as a momentum: with ``x`` the common point of the last
+sync, ``p`` this rank's parameters now, ``D`` the product of the decoupled decay factors since
+and ``L`` the learning rates summed with the same decay (both the same on every rank),
+
+    y = (D * x - p) * denom * (1 - b1**t) / L
+
+is the lr-weighted mean of this rank's ``m / (1 - b1**t)`` over the interval, scaled back to a
+momentum: at an interval of 1 exactly what 1-bit Adam sends, so the units' error buffers carry
+over from phase A (the paper's ``u`` in momentum units; DeepSpeed sent the raw sum and had to
+restart its errors at the phase change). The units' 1-bit allreduce averages ``y``; every rank
+then takes it as the momentum and lands on
+
+    p = D * x - L * clamp(avg(y) / (denom * (1 - b1**t)), -1, 1)
+
+computed from values that are the same on every rank, so that ranks are bit-identical after
+every sync. Weight decay is not in ``y``: ``D * x`` decays the common point as AdamW decays a
+parameter, and each local step's own decay is undone by ``D`` (a parameter whose gradient is
+zero decays exactly as under AdamW, to the rounding of the product ``D``), where DeepSpeed's
+sum carried ``lr * wd * p`` into the rebuilt momentum and decayed several times over.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from onebit_plugin.deferred import fold_gradient_
+
+__all__ = ["LocalSteps"]
+
+log = logging.getLogger("onebit_plugin")
+
+
+class LocalSteps:
+    """Phase B's state on one rank: the last sync's common point per momentum unit (one flat
+    fp32 buffer each, in the unit's layout: 4 bytes per parameter) and, per parameter group,
+    ``decay`` (``D``) and ``lr_sum`` (``L``) since then.
+
+    Args:
+        units: the momentum units.
+        fp32_of: parameter -> its fp32 values (the parameter, its master copy, or a copy).
+        groups: the optimizer's param groups (their order is the checkpoint's).
+    """
+
+    def __init__(self, units: list, fp32_of, groups: list[dict]):
+        self.anchor = {}
+        for unit in units:
+            anchor = torch.empty_like(unit.momentum)
+            for p in unit.params:
+                unit.view(p, anchor).copy_(fp32_of(p))
+            self.anchor[unit] = anchor
+        self.decay = [1.0] * len(groups)
+        self.lr_sum = [0.0] * len(groups)
+        self.steps = 0  # local steps since the last sync
+
+    # ------------------------------------------------------------------------- between syncs
+    @staticmethod
+    @torch.no_grad()
+    def fold_(units: list, grads: dict) -> None:
+        """This rank's gradients into its momenta (a missing one counts as zero); masked
+        coordinates keep a zero momentum, as the allreduce keeps them in phase A."""
+        for unit in units:
+            for p in unit.params:
+                hyper = unit.hypers[p]
+                m = unit.view(p)
+                fold_gradient_(m, grads.get(p), p, beta1=hyper["betas"][0],
+                               weight_decay=hyper["weight_decay"],
+                               decoupled=hyper["decoupled_weight_decay"], out=m)
+            if unit.masked is not None:
+                unit.momentum.masked_fill_(unit.masked, 0.0)
+
+    def advance(self, groups: list[dict]) -> None:
+        """One local step was taken (or skipped on this rank: the others took it) with each
+        group's ``lr`` and decoupled ``weight_decay``."""
+        for i, g in enumerate(groups):
+            factor = (1 - g["lr"] * g["weight_decay"]
+                      if g["decoupled_weight_decay"] and g["weight_decay"] != 0 else 1.0)
+            self.decay[i] *= factor
+            self.lr_sum[i] = self.lr_sum[i] * factor + g["lr"]
+        self.steps += 1
+
+    # ---------------------------------------------------------------------------------- sync
+    @torch.no_grad()
+    def send_(self, units: list, comm, groups: list[dict], fp32_of, corrections: dict) -> bool:
+        """Average every unit's ``y`` (module docstring) into its fold buffer, by ``comm``;
+        ``corrections``: parameter -> ``1 - b1**t``. False (on every rank) when some rank's
+        was not finite."""
+        index = {id(g): i for i, g in enumerate(groups)}
+        ok = True
+        for unit in units:
+            anchor = self.anchor[unit]
+            for p in unit.params:
+                i = index[id(unit.hypers[p])]
+                y = unit.view(p, unit.local)
+                if self.lr_sum[i] == 0:  # lr 0 throughout: nothing moved
+                    y.zero_()
+                    continue
+                torch.mul(unit.view(p, anchor), self.decay[i], out=y)
+                y.sub_(fp32_of(p)).mul_(unit.view(p, unit.denom))
+                y.mul_(corrections[p] / self.lr_sum[i])
+            ok &= comm.reduce_(unit.local, unit.plan, unit.errors)
+        return ok
+
+    @torch.no_grad()
+    def land_(self, units: list, groups: list[dict], fp32_of, write_back, corrections: dict,
+              *, ok: bool, bounded: bool) -> None:
+        """Every rank to the same point: the common point, decayed, plus the averaged update
+        (``ok``), or only decayed (the sync's average was not finite on some rank: the
+        interval's local steps are dropped and the momentum restarts from zero)."""
+        index = {id(g): i for i, g in enumerate(groups)}
+        for unit in units:
+            anchor = self.anchor[unit]
+            for p in unit.params:
+                i = index[id(unit.hypers[p])]
+                x, m = unit.view(p, anchor), unit.view(p)
+                x.mul_(self.decay[i])
+                if ok:
+                    average = unit.view(p, unit.local)
+                    m.copy_(average)
+                    ratio = average.div_(unit.view(p, unit.denom)).div_(corrections[p])
+                    if bounded:
+                        ratio.clamp_(-1.0, 1.0)
+                    x.sub_(ratio.mul_(self.lr_sum[i]))
+                else:
+                    m.zero_()
+                write_back(p, x)
+        self.decay = [1.0] * len(groups)
+        self.lr_sum = [0.0] * len(groups)
+        self.steps = 0
+
+    # --------------------------------------------------------------------------- checkpoints
+    def state_dict(self, units: list) -> dict:
+        """This rank's phase-B state, in unit order (the anchors are the same on every rank,
+        the parameters and momenta between syncs are not: :class:`ZeroOneAdam` saves those)."""
+        return {"anchors": [self.anchor[u].clone() for u in units], "decay": list(self.decay),
+                "lr_sum": list(self.lr_sum), "steps": self.steps}
+
+    def load_state_dict(self, state: dict, units: list) -> None:
+        if len(state["anchors"]) != len(units) or len(state["decay"]) != len(self.decay):
+            raise ValueError(
+                f"saved local-step state ({len(state['anchors'])} units, "
+                f"{len(state['decay'])} parameter groups) does not fit this optimizer "
+                f"({len(units)} units, {len(self.decay)} groups): resume with the same "
+                "parameters, groups and bucket_cap_mb")
+        for unit, saved in zip(units, state["anchors"], strict=True):
+            if saved.shape != self.anchor[unit].shape:
+                raise ValueError(f"a saved sync point has {saved.numel()} values, its unit "
+                                 f"{self.anchor[unit].numel()}")
+            self.anchor[unit].copy_(saved)
+        self.decay, self.lr_sum = list(map(float, state["decay"])), list(
+            map(float, state["lr_sum"]))
+        self.steps = int(state["steps"])

@@ -1,0 +1,264 @@
+"""0/1 Adam (ZeroOneAdam): its schedule, Adam's numbers where it is Adam, exact decoupled decay,
+ranks apart between syncs and bit-identical after each, the same numbers with and without the
+DDP hook, nothing sent by a local step, and bitwise resume in every phase."""
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from onebit_plugin import ZeroOneAdam, register_onebit_hook
+from onebit_plugin.schedule import (
+    ZeroOneSchedule,
+    auto_var_freeze_step,
+    refreshes_until,
+    refreshes_variance,
+)
+from onebit_plugin.zero_one import auto_local_step_scaler
+from tests.dist_helpers import run_ranks
+
+
+# ------------------------------------------------------------------------------- the schedule
+def test_refreshes_follow_deepspeeds_doubling_interval():
+    refreshed = [t for t in range(1, 241) if refreshes_variance(t, 16)]
+    expected = (list(range(1, 17)) + list(range(18, 49, 2)) + list(range(52, 113, 4))
+                + list(range(120, 241, 8)))
+    assert refreshed == expected
+    assert [refreshes_until(t, 16) for t in (1, 16, 17, 18, 48, 50, 112, 240)] == \
+        [1, 16, 16, 17, 32, 32, 48, 64]
+    # An odd scaler: the next interval starts at the next multiple of it.
+    assert [t for t in range(1, 20) if refreshes_variance(t, 3)] == [1, 2, 3, 4, 6, 8, 12, 16]
+
+
+def test_local_interval_doubles_every_scaler_steps_up_to_the_clipper_and_the_last_step_syncs():
+    s = ZeroOneSchedule(var_freeze_step=10, var_update_scaler=4, local_step_scaler=3,
+                        local_step_clipper=4, total_steps=40)
+    kinds = "".join(s.kind(t)[0] for t in range(1, 41))
+    # Steps 1-4 refresh, then every 2nd step to 10; phase B from 11: interval 1 for 3 steps,
+    # 2 for 3, then 4 (a sync where t % interval == 0), and step 40 syncs.
+    assert kinds[:10] == "eeeemememe"
+    assert kinds[10:22] == "sss" + "sls" + "lllsll"
+    for t in range(11, 41):
+        interval = s.interval(t)
+        assert interval == min(4, 2 ** ((t - 11) // 3))
+        expected = "sync" if t % interval == 0 or t == 40 else "local"
+        assert s.kind(t) == expected, t
+
+
+def test_auto_rules():
+    assert auto_var_freeze_step(2000, 16) == 240  # interval 8 ends at 240 >= 10% of 2000
+    assert auto_var_freeze_step(200, 16) == 200  # capped at the run
+    assert auto_local_step_scaler(2000, 240, 16) == 110  # 1760 phase-B steps / 16
+    with pytest.raises(ValueError, match="total_steps"):
+        model = nn.Linear(2, 2)
+        opt = ZeroOneAdam(model.parameters(), var_update_scaler=1)
+        for _ in range(2):
+            model(torch.ones(1, 2)).sum().backward()
+            opt.step()
+
+
+@pytest.mark.parametrize("bad", [dict(var_freeze_step=0), dict(var_update_scaler="auto"),
+                                 dict(local_step_clipper=0), dict(local_step_scaler=1.5)])
+def test_bad_schedule_settings_are_named(bad):
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=name):
+        ZeroOneAdam(nn.Linear(2, 2).parameters(), total_steps=10, **bad)
+
+
+# ------------------------------------------------------------------------- one process, Adam
+def test_the_first_var_update_scaler_steps_are_adamw_bit_for_bit():
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    b = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    b.load_state_dict(a.state_dict())
+    zo = ZeroOneAdam(a.parameters(), lr=1e-2, weight_decay=0.1, total_steps=100)
+    ref = torch.optim.AdamW(b.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    for step in range(16):
+        x = torch.randn(32, 8, generator=torch.Generator().manual_seed(step))
+        for model, opt in ((a, zo), (b, ref)):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    assert zo.phase == "A" and zo.switch_step == 16
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+# ------------------------------------------------------------------------------------ 2 ranks
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+        # A parameter whose gradient is zero: weight decay alone moves it.
+        self.idle = nn.Parameter(torch.linspace(-2.0, 2.0, 64))
+
+    def forward(self, x):
+        return self.body(x) + 0.0 * self.idle.sum()
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return _Net()
+
+
+def _loss(model, rank, step):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    x, y = torch.randn(16, 16, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def _run(rank, world, steps, *, ddp=False, interval=4, wd=0.0, save_at=None, ckpt=None,
+         load=None, lr=1e-2):
+    model = _model()
+    net = DDP(model, bucket_cap_mb=0.001) if ddp else model
+    opt = ZeroOneAdam(model.parameters(), lr=lr, weight_decay=wd, var_freeze_step=12,
+                      var_update_scaler=4, local_step_scaler=1, local_step_clipper=interval,
+                      total_steps=steps, bucket_cap_mb=0.001)  # several units, either way
+    if ddp:
+        register_onebit_hook(net, opt)
+    start = 0
+    if load is not None:
+        saved = torch.load(f"{load}.{rank}", weights_only=True)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        start = saved["step"]
+    trace = []
+    for step in range(start, steps):
+        kind = opt.coming_exchange
+        opt.zero_grad()
+        _loss(net, rank, step).backward()
+        opt.step()
+        trace.append((kind, [p.detach().clone() for p in model.parameters()]))
+        if save_at is not None and step + 1 == save_at:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1},
+                       f"{ckpt}.{rank}")
+    return trace
+
+
+def test_ranks_differ_between_syncs_and_are_bit_identical_after_each():
+    traces = run_ranks(_run, 2, 40)
+    kinds = [k for k, _ in traces[0]]
+    assert kinds.count("local") >= 15 and kinds.count("sync") >= 5
+    assert {"exact", "momentum"} <= set(kinds)
+    for (kind, a), (_, b) in zip(*traces, strict=True):
+        same = all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
+        # Ranks step on different data: apart after a local step, together after the rest.
+        assert same == (kind != "local"), kind
+
+
+def test_the_ddp_hook_gives_the_same_numbers_as_the_optimizer_side_path():
+    plain = run_ranks(_run, 2, 30)
+    hooked = run_ranks(functools.partial(_run, ddp=True), 2, 30)
+    for r in range(2):
+        for (k1, a), (k2, b) in zip(plain[r], hooked[r], strict=True):
+            assert k1 == k2
+            for p, q in zip(a, b, strict=True):
+                assert torch.equal(p, q), k1
+
+
+@pytest.mark.parametrize("interval", [1, 4, 16])
+def test_a_parameter_with_zero_gradient_decays_exactly_as_under_adamw(interval):
+    steps, lr, wd = 12 + 4 * 16, 1e-2, 0.1
+    traces = run_ranks(functools.partial(_run, interval=interval, wd=wd), 2, steps)
+    idle = traces[0][-1][1][0]  # the last step syncs: every rank holds it
+    assert torch.equal(idle, traces[1][-1][1][0])
+    start = _model().idle.detach()
+    adamw = start.clone()
+    for _ in range(steps):
+        adamw.mul_(1 - lr * wd)  # torch's AdamW on a zero gradient, rounded at every step
+    exact = start.double() * (1 - lr * wd) ** steps
+
+    def error(t):
+        return float(((t.double() - exact) / exact).abs().max())
+
+    # AdamW's decay to the rounding AdamW itself makes (about 1e-6 here), or one fp32 ulp.
+    assert error(idle) <= max(error(adamw), 2.0**-23), (error(idle), error(adamw))
+    # DeepSpeed's order carried lr * wd * p into the rebuilt momentum: 1.8x to 10x the decay.
+    assert error(idle) < 1e-5
+
+
+def _collectives_worker(rank, world):
+    calls = []
+    names = ("all_reduce", "all_to_all_single", "all_gather", "broadcast", "reduce_scatter",
+             "all_gather_into_tensor", "send", "recv", "barrier")
+    originals = {n: getattr(dist, n) for n in names}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return originals[name](*args, **kwargs)
+        return call
+
+    model = _model()
+    net = DDP(model, bucket_cap_mb=0.001)
+    opt = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=12, var_update_scaler=4,
+                      local_step_scaler=1, local_step_clipper=4, total_steps=40)
+    register_onebit_hook(net, opt)
+    per_step = []
+    for n in names:
+        setattr(dist, n, counting(n))
+    try:
+        for step in range(40):
+            kind = opt.coming_exchange
+            del calls[:]
+            opt.zero_grad()
+            _loss(net, rank, step).backward()
+            opt.step()
+            per_step.append((kind, len(calls)))
+    finally:
+        for n, f in originals.items():
+            setattr(dist, n, f)
+    return per_step
+
+
+def test_a_local_step_sends_nothing_and_a_sync_sends_one_compressed_allreduce_per_unit():
+    per_step = run_ranks(_collectives_worker, 2)[0]
+    after_first = per_step[1:]  # the first step also checks that the ranks' settings agree
+    local = {n for k, n in after_first if k == "local"}
+    assert local == {0}
+    sync = {n for k, n in after_first if k == "sync"}
+    momentum = {n for k, n in after_first if k == "momentum"}
+    assert sync and sync == momentum and 0 not in sync  # two all-to-alls per unit, both ways
+    assert {n for k, n in after_first if k == "exact"} - {0}
+
+
+@pytest.mark.parametrize("save_at", [10, 13, 20, 22])  # phase A; B at a sync; B between syncs
+def test_resume_is_bitwise_in_every_phase(tmp_path, save_at):
+    ckpt = str(tmp_path / "ckpt")
+    whole = run_ranks(functools.partial(_run, save_at=save_at, ckpt=ckpt), 2, 30)
+    resumed = run_ranks(functools.partial(_run, load=ckpt), 2, 30)
+    for r in range(2):
+        for (k1, a), (k2, b) in zip(whole[r][save_at:], resumed[r], strict=True):
+            assert k1 == k2
+            assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True)), (save_at, k1)
+
+
+def _rank0_weights_worker(rank, world, ckpt, save_at):
+    """What Lightning does: rank 0's model and optimizer state, then each rank's own
+    onebit_state_dict()."""
+    whole = _run(rank, world, 30, save_at=save_at, ckpt=ckpt)
+    dist.barrier()
+    model = _model()
+    opt = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=12, var_update_scaler=4,
+                      local_step_scaler=1, local_step_clipper=4, total_steps=30)
+    rank0 = torch.load(f"{ckpt}.0", weights_only=True)
+    own = torch.load(f"{ckpt}.{rank}", weights_only=True)
+    model.load_state_dict(rank0["model"])
+    opt.load_state_dict(rank0["opt"])
+    opt.load_onebit_state_dict(own["opt"]["onebit"])
+    trace = []
+    for step in range(save_at, 30):
+        opt.zero_grad()
+        _loss(model, rank, step).backward()
+        opt.step()
+        trace.append([p.detach().clone() for p in model.parameters()])
+    return [t for _, t in whole[save_at:]], trace
+
+
+def test_between_syncs_each_rank_resumes_its_own_parameters_from_rank_0s_checkpoint(tmp_path):
+    for whole, resumed in run_ranks(_rank0_weights_worker, 2, str(tmp_path / "c"), 22):
+        for a, b in zip(whole, resumed, strict=True):
+            assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
