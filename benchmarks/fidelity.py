@@ -55,6 +55,17 @@ VARIANTS = ["adam", "onebit_fixed", "onebit_auto", "onebit_auto_unbounded", "fp1
             "adam_clip", "onebit_auto_clip", "onebit_auto_clip_momentum",
             # bf16 parameters (autocast for the fp32 inputs), each compared with onebit_auto.
             "onebit_auto_bf16", "onebit_auto_bf16_master"]
+# 0/1 Adam (``--steps 2000 --variants adam,onebit_auto,zero_one,...``, docs/benchmarks.md):
+# its defaults, local intervals reaching 16 early (local_step_scaler=8), and up to 64.
+ZERO_ONE = {"zero_one": {}, "zero_one_local16_early": {"local_step_scaler": 8},
+            "zero_one_local64": {"local_step_clipper": 64}}
+ALL_VARIANTS = VARIANTS + list(ZERO_ONE)
+# The collectives a rank calls, counted by wrapping torch.distributed's functions (DDP's own
+# C++ allreduce is not one of them: the plain-Adam variants average through an equal Python
+# hook so that theirs are counted too). "Rounds": calls per optimizer step.
+COLLECTIVES = ("all_reduce", "all_to_all_single", "all_gather", "broadcast",
+               "all_gather_into_tensor", "reduce_scatter_tensor", "gather", "scatter", "send",
+               "recv", "barrier")
 
 
 def reference(variant: str) -> str:
@@ -175,6 +186,13 @@ def _optimizer(variant, ddp, lr):
     from onebit_plugin import OneBitAdam
     from onebit_plugin.ddp_hook import register_onebit_hook
 
+    if variant in ZERO_ONE:
+        from onebit_plugin import ZeroOneAdam
+
+        opt = ZeroOneAdam(ddp.parameters(), lr=lr, total_steps=STEPS,
+                          max_skipped_steps=STEPS + 1, **ZERO_ONE[variant])
+        register_onebit_hook(ddp, opt)
+        return opt
     if variant.startswith("onebit"):
         # Skipped steps (inf/NaN gradients) are counted and reported, not fatal.
         opt = OneBitAdam(ddp.parameters(), lr=lr, total_steps=STEPS, max_skipped_steps=STEPS + 1,
@@ -190,7 +208,28 @@ def _optimizer(variant, ddp, lr):
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2,
                                             start_powerSGD_iter=FIXED_FREEZE)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    else:  # DDP's default averaging, in Python so that its allreduces are counted
+        ddp.register_comm_hook(None, _mean_allreduce)
     return torch.optim.Adam(ddp.parameters(), lr=lr)
+
+
+def _mean_allreduce(_, bucket):
+    """DDP's default reduction, bits included (multiply by 1/W, then sum)."""
+    buffer = bucket.buffer().mul_(1.0 / dist.get_world_size())
+    return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def _count_collectives() -> list[int]:
+    """Wrap torch.distributed's collectives; the one-element list counts their calls."""
+    calls = [0]
+    for name in COLLECTIVES:
+        original = getattr(dist, name)
+
+        def counted(*args, _original=original, **kwargs):
+            calls[0] += 1
+            return _original(*args, **kwargs)
+        setattr(dist, name, counted)
+    return calls
 
 
 def _rank(rank, world, port, workload, variant, seed, queue):
@@ -211,6 +250,7 @@ def _rank(rank, world, port, workload, variant, seed, queue):
         opt = _optimizer(variant, ddp, work.lr)
         gen = torch.Generator().manual_seed(1000 * seed + rank)  # each rank its own batches
         curve, clipped = [], 0
+        calls = _count_collectives()
         start, began = written(), time.perf_counter()
         for step in range(1, STEPS + 1):
             batch = work.batch_of(gen)
@@ -221,11 +261,12 @@ def _rank(rank, world, port, workload, variant, seed, queue):
             norm = _clip(variant, ddp, opt)
             clipped += norm is not None and norm > CLIP
             opt.step()
-            if step % 40 == 0:
+            if step % (STEPS // 6) == 0:
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                     curve.append((step, written() - start, work.val_loss(model)))
         sent = written() - start
         result = {"val_loss": curve[-1][2], "bytes": sent, "curve": curve, "clipped": clipped,
+                  "rounds_per_step": calls[0] / STEPS,
                   "seconds": time.perf_counter() - began,
                   "switch_step": getattr(opt, "switch_step", None),
                   "skipped_steps": getattr(opt, "skipped_steps", 0),
@@ -279,11 +320,11 @@ def run(workload, variant, seed, world=2) -> dict:
 # ----------------------------------------------------------------------------- report
 def summarize(rows: list[dict]) -> str:
     lines = ["| workload | variant | val loss vs Adam (mean, min..max over seeds) | bytes vs "
-             "Adam (fewer) | largest per-tensor max abs vs Adam | freeze step | steps skipped "
-             "(inf/NaN), per seed | steps clipped, per seed |",
-             "|---|---|---|---|---|---|---|---|"]
+             "Adam (fewer) | collectives per step | largest per-tensor max abs vs Adam | freeze "
+             "step | steps skipped (inf/NaN), per seed | steps clipped, per seed |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for workload in WORKLOADS:
-        for variant in VARIANTS:
+        for variant in ALL_VARIANTS:
             adam = {r["seed"]: r for r in rows
                     if r["workload"] == workload and r["variant"] == reference(variant)}
             mine = [r for r in rows if r["workload"] == workload and r["variant"] == variant]
@@ -296,7 +337,9 @@ def summarize(rows: list[dict]) -> str:
             freeze = sorted({r["switch_step"] for r in mine if r["switch_step"] is not None})
             lines.append(
                 f"| {workload} | {variant} | {statistics.mean(rel):+.2%} ({min(rel):+.2%}.."
-                f"{max(rel):+.2%}) | {fewer:.2f}x | {mag:.2f}x | "
+                f"{max(rel):+.2%}) | {fewer:.2f}x | "
+                f"{statistics.mean(r.get('rounds_per_step', math.nan) for r in mine):.2f} | "
+                f"{mag:.2f}x | "
                 f"{', '.join(map(str, freeze)) or '-'} | "
                 f"{', '.join(str(r.get('skipped_steps', 0)) for r in mine)} | "
                 f"{', '.join(str(r.get('clipped', 0)) for r in mine) if 'clip' in variant else '-'}"
@@ -312,7 +355,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(WORKLOADS), figsize=(5 * len(WORKLOADS), 4))
     for ax, workload in zip(axes, WORKLOADS, strict=True):
-        for variant in VARIANTS:
+        for variant in ALL_VARIANTS:
             mine = [r for r in rows if r["workload"] == workload and r["variant"] == variant]
             finals = [r["val_loss"] for r in mine]
             adam = [r["val_loss"] for r in rows if r["workload"] == workload and
@@ -323,7 +366,8 @@ def plot(rows: list[dict], path: Path) -> None:
             steps = len(mine[0]["curve"])
             mb = [statistics.mean(r["curve"][i][1] for r in mine) / 2**20 for i in range(steps)]
             loss = [statistics.mean(r["curve"][i][2] for r in mine) for i in range(steps)]
-            ax.plot(mb, loss, marker="o", label=variant, color=f"C{VARIANTS.index(variant)}",
+            ax.plot(mb, loss, marker="o", label=variant,
+                    color=f"C{ALL_VARIANTS.index(variant) % 10}",
                     linestyle="--" if "clip" in variant else "-")
         ax.set_xscale("log")
         ax.set_xlabel("MiB written per rank (/proc/self/io)")
@@ -335,8 +379,11 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
+    global STEPS
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=STEPS,
+                   help="optimizer steps per run (default %(default)s)")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--out", default=None,
@@ -344,13 +391,14 @@ def main() -> None:
                         "benchmarks/results/fidelity.jsonl in any case)")
     p.add_argument("--plot", default=str(ROOT / "docs" / "fidelity_loss_vs_bytes.png"))
     args = p.parse_args()
+    STEPS = args.steps
     rows = []
     began = time.perf_counter()
     for workload in args.workloads.split(","):
         for seed in range(args.seeds):
             for variant in args.variants.split(","):
                 r = run(workload, variant, seed)
-                r.update(workload=workload, variant=variant, seed=seed)
+                r.update(workload=workload, variant=variant, seed=seed, steps=STEPS)
                 rows.append(r)
                 print(f"{workload:10s} {variant:12s} seed {seed}: val {r['val_loss']:.4f} "
                       f"{r['bytes'] / 2**20:8.2f} MiB/rank  {r['seconds']:.0f} s", flush=True)

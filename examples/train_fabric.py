@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from lightning.fabric import Fabric
 
-from onebit_plugin import OneBitAdam
+from onebit_plugin import OneBitAdam, ZeroOneAdam
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from charlm import (  # noqa: E402
@@ -37,7 +37,12 @@ from wire import WireLog  # noqa: E402
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--optimizer", choices=["onebit", "adamw"], default="onebit")
+    p.add_argument("--optimizer", choices=["onebit", "zero_one", "adamw"], default="onebit",
+                   help="onebit: OneBitAdam; zero_one: ZeroOneAdam (0/1 Adam); adamw: DDP + AdamW")
+    p.add_argument("--var-freeze-step", type=freeze_step_arg, default="auto",
+                   help="ZeroOneAdam's last step of variance refreshes (int or auto)")
+    p.add_argument("--local-step-scaler", type=freeze_step_arg, default="auto",
+                   help="ZeroOneAdam's steps before the local interval doubles (int or auto)")
     p.add_argument("--strategy", help="default: onebit_adam for --optimizer onebit, else ddp")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--accelerator", default="cpu")
@@ -56,7 +61,7 @@ def main(argv=None) -> None:
     p.add_argument("--resume", help="fabric.load this checkpoint first")
     p.add_argument("--out", default="fabric_out")
     args = p.parse_args(argv)
-    strategy = args.strategy or ("onebit_adam" if args.optimizer == "onebit" else "ddp")
+    strategy = args.strategy or ("ddp" if args.optimizer == "adamw" else "onebit_adam")
     fabric = Fabric(accelerator=args.accelerator, devices=args.devices, strategy=strategy,
                     precision=args.precision)
     fabric.launch()
@@ -66,6 +71,11 @@ def main(argv=None) -> None:
         optimizer = OneBitAdam(model.parameters(), lr=args.lr, weight_decay=0.01,
                                decoupled_weight_decay=True, freeze_step=args.freeze_step,
                                total_steps=args.steps, bound_update=not args.no_bound)
+    elif args.optimizer == "zero_one":
+        optimizer = ZeroOneAdam(model.parameters(), lr=args.lr, weight_decay=0.01,
+                                var_freeze_step=args.var_freeze_step,
+                                local_step_scaler=args.local_step_scaler,
+                                total_steps=args.steps, bound_update=not args.no_bound)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     model, optimizer = fabric.setup(model, optimizer)

@@ -1,6 +1,7 @@
 """Train the character-level GPT with Lightning and ``strategy="onebit_adam"``.
 
     python examples/train_lightning.py --devices 2 --steps 300 --freeze-step 60
+    python examples/train_lightning.py --devices 2 --optimizer zero_one  # 0/1 Adam
     python examples/train_lightning.py --devices 2 --optimizer adam     # DDP + torch Adam
 
 Runs on CPU (gloo) by default and on GPUs unchanged (``--accelerator gpu``). Lightning starts
@@ -21,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import onebit_plugin  # noqa: F401 -- registers strategy="onebit_adam"
-from onebit_plugin import OneBitAdam
+from onebit_plugin import OneBitAdam, ZeroOneAdam
 from onebit_plugin.integrations.lightning import OneBitAdamCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -104,19 +105,28 @@ class CharModule(pl.LightningModule):
         a = self.args
         if a.optimizer == "adam":
             return torch.optim.Adam(self.parameters(), lr=a.lr)
+        if a.optimizer == "zero_one":  # the strategy hands it the run's length
+            return ZeroOneAdam(self.parameters(), lr=a.lr, var_freeze_step=a.var_freeze_step,
+                               local_step_scaler=a.local_step_scaler,
+                               comm_timeout=a.comm_timeout)
         return OneBitAdam(self.parameters(), lr=a.lr, freeze_step=a.freeze_step,
                           comm_timeout=a.comm_timeout)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--optimizer", choices=["onebit", "adam"], default="onebit")
+    p.add_argument("--optimizer", choices=["onebit", "zero_one", "adam"], default="onebit",
+                   help="onebit: OneBitAdam; zero_one: ZeroOneAdam (0/1 Adam); adam: DDP + Adam")
     p.add_argument("--strategy", default="onebit_adam",
                    choices=["onebit_adam", "onebit_adam_spawn", "onebit_adam_fork"],
                    help="how Lightning starts the processes (with --optimizer onebit)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--freeze-step", type=freeze_step_arg, default="auto",
                    help="warm-up steps, or auto (the strategy gives OneBitAdam the run's length)")
+    p.add_argument("--var-freeze-step", type=freeze_step_arg, default="auto",
+                   help="ZeroOneAdam's last step of variance refreshes (int or auto)")
+    p.add_argument("--local-step-scaler", type=freeze_step_arg, default="auto",
+                   help="ZeroOneAdam's steps before the local interval doubles (int or auto)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--batch", type=int, default=16, help="sequences per rank per micro-batch")
     p.add_argument("--context", type=int, default=64)
@@ -154,14 +164,14 @@ def main(argv=None) -> None:
     train_loader = DataLoader(Windows(train, args.context, samples, args.seed), args.batch)
     val_loader = DataLoader(Windows(val, args.context, 256, 1234), 32)
     callbacks = []
-    if args.optimizer == "onebit":
+    if args.optimizer != "adam":
         callbacks.append(OneBitAdamCallback(check_lockstep_every_n_steps=args.check_lockstep))
     if args.ckpt_every:
         callbacks.append(pl.callbacks.ModelCheckpoint(
             dirpath=out / "ckpt", every_n_train_steps=args.ckpt_every, save_top_k=-1,
             filename="{step}", save_last=True,  # for fit(ckpt_path="last"): --resume last
         ))
-    strategy = args.strategy if args.optimizer == "onebit" else "ddp"
+    strategy = args.strategy if args.optimizer != "adam" else "ddp"
     trainer = pl.Trainer(
         strategy=strategy, accelerator=args.accelerator, devices=args.devices,
         num_nodes=args.num_nodes, precision=args.precision, max_steps=args.steps,
@@ -187,7 +197,7 @@ def main(argv=None) -> None:
     ddp_bytes = round(2 * (world - 1) / world * 4 * n_params) * trainer.global_step
     comm = opt.communicator if getattr(opt, "stage", None) == "compression" else None
     summary = {
-        "optimizer": "OneBitAdam" if args.optimizer == "onebit" else "Adam",
+        "optimizer": type(opt).__name__,
         "strategy": strategy, "world_size": world, "parameters": n_params,
         "steps": trainer.global_step, "precision": args.precision,
         "final_val_loss": val_loss, "test_loss": test_loss,

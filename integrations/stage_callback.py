@@ -1,11 +1,12 @@
-"""Lightning callback that reports OneBitAdam's stage switch and what the compression saves."""
+"""Lightning callback that reports the stage switch of an optimizer of the 1-bit family
+(OneBitAdam, ZeroOneAdam), its progress and what the compression saves."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from onebit_plugin.base import OneBitOptimizer
 from onebit_plugin.lockstep import check_lockstep
-from onebit_plugin.optimizer import COMPRESSION, OneBitAdam
 
 
 def make_callback_class(pl, module: str):
@@ -26,6 +27,12 @@ def make_callback_class(pl, module: str):
           ``onebit/dense_bytes`` (what an fp32 allreduce would have sent) and
           ``onebit/compression_ratio`` (their ratio);
         * the progress bar shows ``onebit_stage`` (0 warm-up, 1 compression).
+        * a member's own progress (``optimizer.progress()``) goes with them: for ZeroOneAdam
+          ``onebit/phase`` (0 Adam, 1 phase A, 2 phase B), ``onebit/variance_refreshes``,
+          ``onebit/local_interval`` (0 before phase B) and ``onebit/syncs``.
+
+        Lockstep checks are made only where the ranks must agree: not between the syncs of
+        ZeroOneAdam's local steps, where they differ by design.
 
         Args:
             progress_bar: show ``onebit_stage`` in the progress bar.
@@ -51,10 +58,10 @@ def make_callback_class(pl, module: str):
             self._last_step = opt.global_step if opt is not None else 0  # resumed: restored
 
         @staticmethod
-        def _optimizer(trainer) -> OneBitAdam | None:
+        def _optimizer(trainer) -> OneBitOptimizer | None:
             for opt in trainer.optimizers:
                 opt = getattr(opt, "_optimizer", opt)  # a LightningOptimizer wraps it
-                if isinstance(opt, OneBitAdam):
+                if isinstance(opt, OneBitOptimizer):
                     return opt
             return None
 
@@ -65,7 +72,7 @@ def make_callback_class(pl, module: str):
                 return
             self._last_step = opt.global_step
             step = trainer.global_step
-            compressing = opt.stage == COMPRESSION
+            compressing = opt.switch_step is not None
             if compressing and not self.switch_logged:
                 self.switch_logged = True
                 self.switch_step = opt.switch_step
@@ -75,13 +82,13 @@ def make_callback_class(pl, module: str):
             if self.progress_bar:
                 pl_module.log("onebit_stage", float(compressing), prog_bar=True, logger=False,
                               on_step=True, on_epoch=False)
-            if self.check_every and step % self.check_every == 0:
+            if self.check_every and step % self.check_every == 0 and not opt.between_syncs:
                 check_lockstep(pl_module.parameters(), opt)
                 self.lockstep_checks += 1
             every = max(1, trainer.log_every_n_steps)
             if step % every == 0:
                 metrics = {
-                    "onebit/stage": float(compressing),
+                    **{f"onebit/{k}": v for k, v in opt.progress().items()},
                     "onebit/bytes_sent": float(opt.bytes_sent),
                     "onebit/dense_bytes": float(opt.dense_bytes),
                 }

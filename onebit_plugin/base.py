@@ -116,6 +116,7 @@ class OneBitOptimizer(Optimizer):
         self._saved: dict = {}  # the units' errors from a checkpoint, until they are built
         self.handoff = HandOff()  # what backward leaves for step(), reset once per step
         self.local_steps: LocalSteps | None = None  # between syncs (a member with local steps)
+        self.syncs = 0  # syncs of local steps so far
         self._local_streak = 0
         self._grad_flat: torch.Tensor | None = None
         self._settings_checked = False
@@ -128,6 +129,17 @@ class OneBitOptimizer(Optimizer):
     @property
     def stage(self) -> str:
         return WARMUP if self.switch_step is None else COMPRESSION
+
+    @property
+    def between_syncs(self) -> bool:
+        """Whether the ranks have taken local steps since the last sync: their parameters
+        differ, by design, until the next (``onebit_plugin.local_steps``)."""
+        return self.local_steps is not None and self.local_steps.steps > 0
+
+    def progress(self) -> dict[str, float]:
+        """What the Lightning callback logs per step, as ``onebit/<name>``: here the stage (0
+        warm-up, 1 compression); a member adds its own."""
+        return {"stage": float(self.switch_step is not None)}
 
     @property
     def coming_exchange(self) -> str:
@@ -603,6 +615,7 @@ class OneBitOptimizer(Optimizer):
         corrections = {p: 1 - unit.hypers[p]["betas"][0] ** counts[self._step_index[p]]
                        for unit in self.units for p in unit.params}
         local = self.local_steps
+        self.syncs += 1
         ok = local.send_(self.units, self.communicator, self.param_groups, self._fp32_of,
                          corrections)
         if not ok:

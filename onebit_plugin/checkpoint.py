@@ -30,7 +30,7 @@ def onebit_state(opt) -> dict:
             "rank": group_size_and_rank(opt.process_group)[1],
             "unit_cap_bytes": opt._unit_cap_bytes, **opt.counts.state_dict(),
             "clipping": opt.handoff.sketch is not None, "units": units,
-            "local_steps": opt._local_state()}
+            "local_steps": opt._local_state(), "syncs": opt.syncs}
 
 
 def load_state(opt, state_dict: dict, torch_load) -> None:
@@ -90,6 +90,7 @@ def load_onebit_state(opt, onebit: dict) -> None:
     if opt.auto_freeze is not None and auto is not None:  # resumed mid warm-up
         opt.auto_freeze.load_state_dict(auto, [p.device for p in opt._trainable()])
     opt.skipped_steps = int(onebit["skipped_steps"])
+    opt.syncs = int(onebit.get("syncs", 0))  # absent before 0/1 Adam
     opt.counts.load_state_dict(onebit)
     if onebit.get("clipping"):  # so that the hook sketches the first resumed step too
         opt._start_sketching()

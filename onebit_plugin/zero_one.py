@@ -202,6 +202,13 @@ class ZeroOneAdam(OneBitOptimizer):
         return refreshes_until(min(self.global_step, schedule.var_freeze_step),
                                schedule.var_update_scaler)
 
+    def progress(self) -> dict[str, float]:
+        """The base's, plus ``phase`` (0 Adam, 1 phase A, 2 phase B), ``variance_refreshes``,
+        ``local_interval`` (0 before phase B) and ``syncs``."""
+        return {**super().progress(), "phase": float(("warmup", "A", "B").index(self.phase)),
+                "variance_refreshes": float(self.variance_refreshes),
+                "local_interval": float(self.local_interval or 0), "syncs": float(self.syncs)}
+
     @property
     def local_interval(self) -> int | None:
         """Phase B's current interval between syncs (None before phase B)."""

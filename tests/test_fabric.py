@@ -106,3 +106,19 @@ def test_ddp_without_the_strategy_is_said_and_reports_no_ratio(tmp_path):
     assert output.count("gradients reaching OneBitAdam.step() are identical on all 2") == 2
     assert "Fabric(strategy='onebit_adam')" in output
     assert math.isnan(json.loads((tmp_path / "summary.json").read_text())["compression_ratio"])
+
+
+def test_fabric_zero_one_adam_resumed_between_syncs_continues_every_rank_bitwise(tmp_path):
+    """ZeroOneAdam through Fabric: saved at step 25, between syncs (var_freeze_step 12, the
+    local interval doubling every 2 steps: steps 13, 14, 16 and 30 sync), where each rank holds
+    its own parameters and Fabric writes rank 0's; every rank resumes its own."""
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    settings = ("--optimizer", "zero_one", "--var-freeze-step", "12", "--local-step-scaler",
+                "2")
+    _fit(whole, *settings, "--save-at", "25")
+    _fit(resumed, *settings, "--resume", str(whole / "checkpoint.ckpt"))
+    assert json.loads((whole / "summary.json").read_text())["optimizer"] == "ZeroOneAdam"
+    ends = rank_params(whole)
+    assert_ranks_identical(ends, "parameters after the last step's sync")
+    for a, b in zip(ends[0], rank_params(resumed)[0], strict=True):
+        assert torch.equal(a, b)

@@ -271,3 +271,40 @@ def test_rank_zero_exits_when_its_peer_hangs_and_fit_resumes_from_last(fp32_run,
     for r in range(2):
         for a, b in zip(uninterrupted[r]["params"], resumed[r]["params"], strict=True):
             assert torch.equal(a, b)
+
+
+# ZeroOneAdam under the same strategy: Adam to step 12, then phase B at once (var_freeze_step
+# 12 < var_update_scaler 16), the local interval doubling every 2 steps: steps 13, 14, 16 and
+# 30 (the run's last) sync, the others are local. Step 25 is between syncs.
+ZERO_ONE = ("--optimizer", "zero_one", "--var-freeze-step", "12", "--local-step-scaler", "2",
+            "--steps", "30", "--precision", "32-true")
+
+
+@pytest.fixture(scope="module")
+def zero_one_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("zero_one")
+    log = _fit(out, *ZERO_ONE, "--ckpt-every", "5", "--check-lockstep", "1")
+    return out, log
+
+
+def test_zero_one_adam_fits_and_ends_on_one_point(zero_one_run):
+    out, _ = zero_one_run
+    ranks = _ranks(out)
+    assert_ranks_identical([r["params"] for r in ranks], "final parameters")
+    # Lockstep was checked only where the ranks must agree: 12 Adam steps and 4 syncs.
+    assert [r["lockstep_checks"] for r in ranks] == [16, 16]
+    phases = _csv_column(out, "onebit/phase")
+    assert phases and phases[-1][1] == 2.0
+    assert _csv_column(out, "onebit/syncs")[-1][1] == 4.0  # logged at step 30, after its sync
+    assert _csv_column(out, "onebit/local_interval")[-1][1] == 16.0
+
+
+def test_zero_one_adam_resumed_between_syncs_continues_every_rank_bitwise(zero_one_run,
+                                                                         tmp_path):
+    out, _ = zero_one_run
+    ckpt = out / "ckpt" / "step=25.ckpt"
+    _fit(tmp_path, *ZERO_ONE, "--resume", str(ckpt))
+    uninterrupted, resumed = _ranks(out), _ranks(tmp_path)
+    assert [r["started_at"] for r in resumed] == [25, 25]
+    for a, b in zip(uninterrupted[0]["params"], resumed[0]["params"], strict=True):
+        assert torch.equal(a, b)
