@@ -22,6 +22,9 @@ Settings, all read from the environment when ``prepare()`` runs:
   settled, at most at 20% of ``ONEBIT_TOTAL_STEPS``; a ``transformers.Trainer`` fills that in
   from its ``max_steps``); required when on;
 * ``ONEBIT_TOTAL_STEPS``: the run's optimizer steps, for ``auto``;
+* ``ONEBIT_OPTIMIZER``: ``onebit_adam`` (default) or ``zero_one_adam`` (``ZeroOneAdam``, 0/1
+  Adam: no ``ONEBIT_FREEZE_STEP``; ``ONEBIT_VAR_FREEZE_STEP`` and ``ONEBIT_LOCAL_STEP_SCALER``,
+  each an int or ``auto``, the default, which needs the run's length);
 * ``ONEBIT_MAX_BLOCK`` (default 2048), ``ONEBIT_SCALE`` (``rms``/``mean``),
   ``ONEBIT_OVERLAP`` (default 1; 0 compresses in ``optimizer.step()`` instead of inside
   backward), ``ONEBIT_TIMEOUT`` (seconds a compressed allreduce may take before the step
@@ -48,13 +51,13 @@ import accelerate
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from onebit_plugin import OneBitAdam, OneBitOptimizer, ZeroOneAdam
 from onebit_plugin.config import EnvSettings
 from onebit_plugin.ddp_hook import OneBitHookState, register_onebit_hook
 from onebit_plugin.integrations.ddp_strategies import say_at_exit_if_uncompressed
 from onebit_plugin.integrations.rank_states import load_rank_states, save_rank_states
-from onebit_plugin.optimizer import OneBitAdam
 
-__all__ = ["Accelerator", "OneBitSettings", "to_onebit_adam"]
+__all__ = ["Accelerator", "OneBitSettings", "to_member"]
 
 log = logging.getLogger("onebit_plugin")
 
@@ -62,14 +65,19 @@ log = logging.getLogger("onebit_plugin")
 OneBitSettings = EnvSettings
 
 
-def to_onebit_adam(optimizer: torch.optim.Optimizer, settings: OneBitSettings) -> OneBitAdam:
-    """A OneBitAdam over ``optimizer``'s own param-group dicts (Adam or AdamW only)."""
-    if isinstance(optimizer, OneBitAdam):
+MEMBER_CLASSES = {"onebit_adam": OneBitAdam, "zero_one_adam": ZeroOneAdam}
+
+
+def to_member(optimizer: torch.optim.Optimizer, settings: OneBitSettings) -> OneBitOptimizer:
+    """The member ``settings.optimizer`` names (``ONEBIT_OPTIMIZER``: OneBitAdam by default,
+    or ZeroOneAdam) over ``optimizer``'s own param-group dicts (Adam or AdamW only)."""
+    member = MEMBER_CLASSES[settings.optimizer]
+    if isinstance(optimizer, OneBitOptimizer):
         return optimizer
     if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
         raise ValueError(
-            "ONEBIT_ADAM=1 replaces torch.optim.Adam or AdamW by OneBitAdam; this script passes "
-            f"{type(optimizer).__name__} to prepare()"
+            f"ONEBIT_ADAM=1 replaces torch.optim.Adam or AdamW by {member.__name__}; this "
+            f"script passes {type(optimizer).__name__} to prepare()"
         )
     # fused/foreach/capturable choose torch's implementation, not the update: dropped.
     for group in optimizer.param_groups:
@@ -81,17 +89,28 @@ def to_onebit_adam(optimizer: torch.optim.Optimizer, settings: OneBitSettings) -
     )
     first = optimizer.param_groups[0]
     # The same dicts: an LR scheduler that edits them drives the new optimizer.
-    return OneBitAdam(
+    return member(
         optimizer.param_groups, lr=first["lr"], betas=first["betas"], eps=first["eps"],
         weight_decay=first["weight_decay"], decoupled_weight_decay=decoupled,
         # A transformers.Trainer leaves its max_steps here (transformers_trainer).
-        **settings.config.replace(total_steps=settings.total_steps or getattr(
-            optimizer, "onebit_total_steps", None)).options(),
+        **settings.member_options(settings.total_steps or getattr(
+            optimizer, "onebit_total_steps", None)),
     )
 
 
 def _when(opt) -> str:
     """When the compression stage begins, as far as is known now (the launcher's line)."""
+    if isinstance(opt, ZeroOneAdam):
+        if opt.total_steps is None and "auto" in (opt.policy.var_freeze_step,
+                                                  opt.policy.local_step_scaler):
+            return (f"after step {opt.freeze_step} (0/1 Adam; its 'auto' schedule needs the "
+                    "run's length: a transformers.Trainer gives it, else set "
+                    "ONEBIT_TOTAL_STEPS, or the first compressed step raises)")
+        schedule = opt.policy.schedule(opt.total_steps)
+        return (f"after step {opt.freeze_step} (0/1 Adam: variance refreshes in full precision "
+                f"to step {schedule.var_freeze_step}, then local steps, the interval doubling "
+                f"every {schedule.local_step_scaler} steps up to "
+                f"{schedule.local_step_clipper})")
     if opt.auto_freeze is not None:
         if opt.auto_freeze.ceiling:
             return ("once the variance has settled (freeze_step=auto), at the latest after step "
@@ -135,7 +154,7 @@ class Accelerator(accelerate.Accelerator):
         self.onebit = OneBitSettings.from_env()
         self.onebit_hook_state: OneBitHookState | None = None
         self._onebit_models: list[DistributedDataParallel] = []
-        self._onebit_pending: list[OneBitAdam] = []
+        self._onebit_pending: list[OneBitOptimizer] = []
         self._said_idle = False
         if self.onebit is not None and not getattr(self.ddp_handler, "gradient_as_bucket_view",
                                                    False):
@@ -152,9 +171,9 @@ class Accelerator(accelerate.Accelerator):
                 "overflowed steps can be skipped"
             )
 
-    def _onebit_optimizers(self) -> list[OneBitAdam]:
+    def _onebit_optimizers(self) -> list[OneBitOptimizer]:
         inner = [getattr(o, "optimizer", o) for o in self._optimizers]
-        return [o for o in inner if isinstance(o, OneBitAdam)]
+        return [o for o in inner if isinstance(o, OneBitOptimizer)]
 
     def save_state(self, output_dir=None, safe_serialization: bool = True, **kwargs):
         """``accelerate.Accelerator.save_state``, plus each rank's own OneBitAdam error buffers
@@ -191,12 +210,12 @@ class Accelerator(accelerate.Accelerator):
         if self.onebit is None:
             return super().prepare(*args, device_placement=device_placement)
         self._say_lone_processes()
-        replaced: dict[int, OneBitAdam] = {}
-        originals: list[tuple[torch.optim.Optimizer, OneBitAdam]] = []
+        replaced: dict[int, OneBitOptimizer] = {}
+        originals: list[tuple[torch.optim.Optimizer, OneBitOptimizer]] = []
         converted = []
         for obj in args:
             if isinstance(obj, torch.optim.Optimizer):
-                new = to_onebit_adam(obj, self.onebit)
+                new = to_member(obj, self.onebit)
                 if new is not obj:
                     replaced[id(obj)] = new
                     originals.append((obj, new))
@@ -222,7 +241,7 @@ class Accelerator(accelerate.Accelerator):
         # (transformers.Trainer does both): pair them once both have been seen.
         self._onebit_models += [o for o in outputs if isinstance(o, DistributedDataParallel)]
         self._onebit_pending += [o for o in (getattr(o, "optimizer", o) for o in outputs)
-                                 if isinstance(o, OneBitAdam)]
+                                 if isinstance(o, OneBitOptimizer)]
         self._pair_hook()
         return result
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import functools
 import logging
 
+from onebit_plugin.base import OneBitOptimizer
 from onebit_plugin.integrations.rank_states import load_rank_states, save_rank_states
-from onebit_plugin.optimizer import OneBitAdam
 
 log = logging.getLogger("onebit_plugin")
 
@@ -21,10 +21,10 @@ log = logging.getLogger("onebit_plugin")
 SAVE, LOAD = "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler"
 
 
-def _onebit(trainer) -> list[OneBitAdam]:
+def _onebit(trainer) -> list[OneBitOptimizer]:
     optimizer = getattr(trainer, "optimizer", None)
     optimizer = getattr(optimizer, "optimizer", optimizer)  # Accelerate's wrapper
-    return [optimizer] if isinstance(optimizer, OneBitAdam) else []
+    return [optimizer] if isinstance(optimizer, OneBitOptimizer) else []
 
 
 def patch_trainer(trainer_cls) -> None:
@@ -59,11 +59,11 @@ def patch_trainer(trainer_cls) -> None:
                                         **kwargs):
             # The run's length (freeze_step="auto"'s ceiling; a fixed one past it is said). The
             # scheduler is made before prepare()
-            # (then to_onebit_adam reads the attribute from the optimizer it replaces) or,
-            # in transformers 5.x, after it (then the optimizer is OneBitAdam already).
+            # (then to_member reads the attribute from the optimizer it replaces) or,
+            # in transformers 5.x, after it (then the optimizer is the member already).
             target = optimizer if optimizer is not None else self.optimizer
             inner = getattr(target, "optimizer", target)  # Accelerate's wrapper
-            if isinstance(inner, OneBitAdam):
+            if isinstance(inner, OneBitOptimizer):
                 inner.set_total_steps(int(num_training_steps))
             elif target is not None:
                 target.onebit_total_steps = int(num_training_steps)

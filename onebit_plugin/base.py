@@ -597,34 +597,37 @@ class OneBitOptimizer(Optimizer):
         trainable = self._trainable()
         grads = {p: p.grad for p in trainable}
         counts = self._count_step()  # every rank counts the step: counts stay the same
+        corrections = self._corrections(counts)
         if all_finite([g for g in grads.values() if g is not None]):
             self._local_streak = 0
             LocalSteps.fold_(units, grads)
             self._frozen_update(counts, averaged=False)
         else:
             self._skip_locally()
-        self.local_steps.advance(self.param_groups)
+            corrections = None
+        self.local_steps.advance(units, self.param_groups, corrections)
         # What DDP with Adam would have sent for this step, for compression_ratio.
         self.counts.add_exact(0, ring_bytes(4 * sum(p.numel() for p in trainable),
                                             self.world_size) if not sync else 0)
         if sync:
-            self._sync(counts)
+            self._sync(self._corrections(counts))
 
-    def _sync(self, counts: list[float]) -> None:
-        # m's bias correction 1 - b1**t at each parameter's count.
-        corrections = {p: 1 - unit.hypers[p]["betas"][0] ** counts[self._step_index[p]]
-                       for unit in self.units for p in unit.params}
+    def _corrections(self, counts: list[float]) -> dict:
+        """m's bias correction ``1 - b1**t`` of every unit's parameter at its count."""
+        return {p: 1 - unit.hypers[p]["betas"][0] ** counts[self._step_index[p]]
+                for unit in self.units for p in unit.params}
+
+    def _sync(self, corrections: dict) -> None:
         local = self.local_steps
         self.syncs += 1
-        ok = local.send_(self.units, self.communicator, self.param_groups, self._fp32_of,
-                         corrections)
+        ok = local.send_(self.units, self.communicator, self.param_groups, corrections)
         if not ok:
             log.warning("onebit: the sync at step %d was not finite on some rank: every rank "
                         "goes back to the last sync's point (decayed), the %d local steps "
                         "since are dropped and the momentum restarts from zero",
                         self.global_step, local.steps)
             self.skipped_steps += 1
-        local.land_(self.units, self.param_groups, self._fp32_of, self._land, corrections,
+        local.land_(self.units, self.param_groups, self._land, corrections,
                     ok=ok, bounded=self.config.bound_update)
 
     def _skip_locally(self) -> None:

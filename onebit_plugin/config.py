@@ -144,9 +144,12 @@ def flag(name: str, default: str) -> bool:
     raise ValueError(f"{name} must be 1 or 0 (true/false), got {value!r}")
 
 
-VARIABLES = ("ONEBIT_ADAM", "ONEBIT_FREEZE_STEP", "ONEBIT_TOTAL_STEPS", "ONEBIT_MAX_BLOCK",
+VARIABLES = ("ONEBIT_ADAM", "ONEBIT_OPTIMIZER", "ONEBIT_FREEZE_STEP", "ONEBIT_VAR_FREEZE_STEP",
+             "ONEBIT_LOCAL_STEP_SCALER", "ONEBIT_TOTAL_STEPS", "ONEBIT_MAX_BLOCK",
              "ONEBIT_SCALE", "ONEBIT_OVERLAP", "ONEBIT_TIMEOUT", "ONEBIT_BOUND_UPDATE",
              "ONEBIT_MASTER_WEIGHTS", "ONEBIT_CPU_KERNEL")
+# ONEBIT_OPTIMIZER: the member that replaces Adam/AdamW (1-bit Adam, or 0/1 Adam).
+MEMBERS = ("onebit_adam", "zero_one_adam")
 # The variable of each config field it sets: a ValueError about the field names the variable.
 _FIELD_VARIABLES = {"freeze_step": "ONEBIT_FREEZE_STEP", "total_steps": "ONEBIT_TOTAL_STEPS",
                     "max_block": "ONEBIT_MAX_BLOCK", "scale": "ONEBIT_SCALE",
@@ -165,6 +168,20 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"{name} must be an integer{also}, got {raw!r}") from None
 
 
+def _env_steps(name: str) -> int | str:
+    """An ``ONEBIT_*`` variable of 0/1 Adam's schedule: an int >= 1 or ``auto`` (default)."""
+    raw = os.environ.get(name, "").strip()
+    if raw in ("", "auto"):
+        return "auto"
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name} must be an integer >= 1 or auto, got {raw!r}")
+    return value
+
+
 def _env_seconds(name: str) -> float | None:
     raw = os.environ.get(name, "").strip()
     try:
@@ -175,8 +192,9 @@ def _env_seconds(name: str) -> float | None:
 
 @dataclass(frozen=True)
 class EnvSettings:
-    """What the ``ONEBIT_*`` variables say (``settings_from_env``): the optimizer's settings
-    (:attr:`config`) and the DDP hook's ``overlap``. Checked when made, by ``OneBitConfig``."""
+    """What the ``ONEBIT_*`` variables say (``settings_from_env``): the member that replaces
+    Adam (``optimizer``, one of :data:`MEMBERS`), its settings (:attr:`config`, and 0/1 Adam's
+    schedule) and the DDP hook's ``overlap``. Checked when made, by ``OneBitConfig``."""
 
     freeze_step: int | str
     total_steps: int | None = None
@@ -186,9 +204,22 @@ class EnvSettings:
     timeout: float | None = None
     bound_update: bool = True
     master_weights: bool = False
+    optimizer: str = "onebit_adam"
+    var_freeze_step: int | str = "auto"
+    local_step_scaler: int | str = "auto"
 
     def __post_init__(self) -> None:
         self.config  # noqa: B018 - made (and so checked) once here
+
+    def member_options(self, total_steps: int | None) -> dict:
+        """The keyword arguments of the member's constructor beside its hyperparameters (0/1
+        Adam's are its schedule and the family's options; its exact stage is its own)."""
+        options = self.config.replace(total_steps=total_steps).options()
+        if self.optimizer == "zero_one_adam":
+            del options["freeze_step"], options["compress_momentum"]
+            options.update(var_freeze_step=self.var_freeze_step,
+                           local_step_scaler=self.local_step_scaler)
+        return options
 
     @property
     def config(self) -> OneBitConfig:
@@ -213,14 +244,36 @@ def settings_from_env() -> EnvSettings | None:
             k, VARIABLES, n=1)) else k for k in unknown]
         raise ValueError(f"unknown setting(s) {', '.join(meant)}: the ONEBIT_ variables "
                          f"are {', '.join(VARIABLES)}")
+    member = os.environ.get("ONEBIT_OPTIMIZER", "").strip().lower() or "onebit_adam"
+    if member not in MEMBERS:
+        near = difflib.get_close_matches(member, MEMBERS, n=1)
+        raise ValueError(f"ONEBIT_OPTIMIZER must be one of {', '.join(MEMBERS)}, got {member!r}"
+                         + (f" (did you mean {near[0]}?)" if near else ""))
     freeze = os.environ.get("ONEBIT_FREEZE_STEP", "").strip()
+    schedule = {}
+    if member == "zero_one_adam":
+        if freeze:
+            raise ValueError(
+                "ONEBIT_FREEZE_STEP is 1-bit Adam's warm-up; with ONEBIT_OPTIMIZER=zero_one_adam "
+                "the variance is refreshed instead: ONEBIT_VAR_FREEZE_STEP (its last refresh "
+                "step, default auto) and ONEBIT_LOCAL_STEP_SCALER set 0/1 Adam's schedule")
+        schedule = dict(var_freeze_step=_env_steps("ONEBIT_VAR_FREEZE_STEP"),
+                        local_step_scaler=_env_steps("ONEBIT_LOCAL_STEP_SCALER"))
+        from onebit_plugin.schedule import exact_steps  # config is below the schedule
+
+        # The family's config holds the member's exact stage.
+        freeze = str(exact_steps(schedule["var_freeze_step"], 16))
+    elif {"ONEBIT_VAR_FREEZE_STEP", "ONEBIT_LOCAL_STEP_SCALER"} & set(os.environ):
+        raise ValueError("ONEBIT_VAR_FREEZE_STEP and ONEBIT_LOCAL_STEP_SCALER are 0/1 Adam's "
+                         "settings: set ONEBIT_OPTIMIZER=zero_one_adam too")
     if not freeze:
         raise ValueError(
             "ONEBIT_ADAM=1 needs ONEBIT_FREEZE_STEP (or onebit-run --freeze-step N): the number "
             "of uncompressed Adam warm-up steps (an int >= 1, typically 15-25% of the optimizer "
             "steps), or auto")
     fields = dict(
-        freeze_step="auto" if freeze == "auto" else _env_int("ONEBIT_FREEZE_STEP"),
+        freeze_step=("auto" if freeze == "auto" else int(freeze) if schedule
+                     else _env_int("ONEBIT_FREEZE_STEP")),
         total_steps=_env_int("ONEBIT_TOTAL_STEPS"),
         max_block=2048 if (block := _env_int("ONEBIT_MAX_BLOCK")) is None else block,
         scale=os.environ.get("ONEBIT_SCALE", "").strip() or "rms",
@@ -232,4 +285,4 @@ def settings_from_env() -> EnvSettings | None:
     flag("ONEBIT_CPU_KERNEL", "1")  # read when the CPU kernel is first used; checked here
     check_settings(fields, _FIELD_VARIABLES)  # the same check, naming the variables
     fields["timeout"] = fields.pop("comm_timeout")
-    return EnvSettings(overlap=overlap, **fields)
+    return EnvSettings(overlap=overlap, optimizer=member, **schedule, **fields)

@@ -21,8 +21,16 @@ from dataclasses import dataclass
 
 from onebit_plugin.policy import EXACT, LOCAL, MOMENTUM, SYNC
 
-__all__ = ["ZeroOneSchedule", "auto_var_freeze_step", "local_interval", "refreshes_until",
-           "refreshes_variance"]
+__all__ = ["ZeroOneSchedule", "auto_var_freeze_step", "exact_steps", "local_interval",
+           "refreshes_until", "refreshes_variance"]
+
+
+def exact_steps(var_freeze_step: int | str, var_update_scaler: int) -> int:
+    """The steps 0/1 Adam is plain Adam for (every step refreshes the variance): until the
+    refresh interval first doubles, or phase A ends sooner (``"auto"``: not sooner)."""
+    if var_freeze_step == "auto":
+        return var_update_scaler
+    return min(var_update_scaler, var_freeze_step)
 
 
 def refreshes_variance(t: int, scaler: int) -> bool:

@@ -29,7 +29,12 @@ from onebit_plugin.base import OneBitOptimizer
 from onebit_plugin.config import OneBitConfig, check_hparams
 from onebit_plugin.deferred import as_fp32
 from onebit_plugin.policy import AdamPolicy, OneBitMomentum
-from onebit_plugin.schedule import ZeroOneSchedule, auto_var_freeze_step, refreshes_until
+from onebit_plugin.schedule import (
+    ZeroOneSchedule,
+    auto_var_freeze_step,
+    exact_steps,
+    refreshes_until,
+)
 
 __all__ = ["ZeroOneAdam", "ZeroOnePolicy"]
 
@@ -167,12 +172,10 @@ class ZeroOneAdam(OneBitOptimizer):
         check_hparams(lr, betas, eps, weight_decay)
         _check_schedule(var_freeze_step, var_update_scaler, local_step_scaler,
                         local_step_clipper)
-        # The base's exact stage: Adam until the refresh interval first doubles (or phase A
-        # ends sooner).
-        exact = var_update_scaler if var_freeze_step == AUTO else \
-            min(var_update_scaler, var_freeze_step)
         config = OneBitConfig(
-            freeze_step=exact, total_steps=total_steps, max_block=max_block, scale=scale,
+            # The base's exact stage: Adam until the refresh interval first doubles.
+            freeze_step=exact_steps(var_freeze_step, var_update_scaler),
+            total_steps=total_steps, max_block=max_block, scale=scale,
             mask_zero_variance=mask_zero_variance, average_grads=average_grads,
             bound_update=bound_update, comm_timeout=comm_timeout, bucket_cap_mb=bucket_cap_mb,
             max_skipped_steps=max_skipped_steps, master_weights=master_weights)

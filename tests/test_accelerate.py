@@ -149,12 +149,12 @@ def test_flag_without_freeze_step_is_a_clear_error(tmp_path):
 
 def test_conversion_keeps_hyperparameters_and_scheduler():
     from onebit_plugin import OneBitAdam
-    from onebit_plugin.integrations.accelerate_flag import OneBitSettings, to_onebit_adam
+    from onebit_plugin.integrations.accelerate_flag import OneBitSettings, to_member
 
     model = torch.nn.Linear(4, 2)
     adamw = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.9), weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(adamw, step_size=1, gamma=0.5)
-    onebit = to_onebit_adam(adamw, OneBitSettings(freeze_step=5))
+    onebit = to_member(adamw, OneBitSettings(freeze_step=5))
     assert isinstance(onebit, OneBitAdam) and onebit.freeze_step == 5
     group = onebit.param_groups[0]
     assert group is adamw.param_groups[0]  # the scheduler's edits reach the new optimizer
@@ -165,9 +165,9 @@ def test_conversion_keeps_hyperparameters_and_scheduler():
     assert onebit.param_groups[0]["lr"] == pytest.approx(0.005)
     with pytest.raises(ValueError, match="replaces torch.optim.Adam or AdamW by OneBitAdam; "
                                          "this script passes SGD"):
-        to_onebit_adam(torch.optim.SGD(model.parameters(), lr=0.1), OneBitSettings(5))
+        to_member(torch.optim.SGD(model.parameters(), lr=0.1), OneBitSettings(5))
     with pytest.raises(ValueError, match="does not support Adam's amsgrad=True"):
-        to_onebit_adam(torch.optim.Adam(model.parameters(), amsgrad=True), OneBitSettings(5))
+        to_member(torch.optim.Adam(model.parameters(), amsgrad=True), OneBitSettings(5))
 
 
 def test_latest_automatic_checkpoint_is_found(tmp_path):
@@ -217,6 +217,11 @@ def test_survivor_exits_when_its_peer_hangs(tmp_path):
     ({"ONEBIT_BOUND_UPDATE": "maybe"}, "ONEBIT_BOUND_UPDATE must be 1 or 0"),
     ({"ONEBIT_MASTER_WEIGHTS": "2"}, "ONEBIT_MASTER_WEIGHTS must be 1 or 0"),
     ({"ONEBIT_CPU_KERNEL": "fast"}, "ONEBIT_CPU_KERNEL must be 1 or 0"),
+    ({"ONEBIT_OPTIMIZER": "zero_one"}, "ONEBIT_OPTIMIZER must be one of onebit_adam, "
+     "zero_one_adam, got 'zero_one' (did you mean zero_one_adam?)"),
+    ({"ONEBIT_OPTIMIZER": "zero_one_adam"}, "ONEBIT_FREEZE_STEP is 1-bit Adam's warm-up"),
+    ({"ONEBIT_VAR_FREEZE_STEP": "100"}, "are 0/1 Adam's settings: set "
+     "ONEBIT_OPTIMIZER=zero_one_adam too"),
 ])
 def test_every_setting_is_checked_naming_the_variable(monkeypatch, env, message):
     from onebit_plugin.integrations.accelerate_flag import OneBitSettings
@@ -230,3 +235,46 @@ def test_every_setting_is_checked_naming_the_variable(monkeypatch, env, message)
     with pytest.raises(ValueError) as raised:
         OneBitSettings.from_env()
     assert message in str(raised.value)
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"ONEBIT_VAR_FREEZE_STEP": "0"}, "ONEBIT_VAR_FREEZE_STEP must be an integer >= 1 or auto"),
+    ({"ONEBIT_LOCAL_STEP_SCALER": "soon"},
+     "ONEBIT_LOCAL_STEP_SCALER must be an integer >= 1 or auto, got 'soon'"),
+])
+def test_zero_one_settings_are_checked_naming_the_variable(monkeypatch, env, message):
+    from onebit_plugin.integrations.accelerate_flag import OneBitSettings
+
+    for name in [k for k in os.environ if k.startswith("ONEBIT_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("ONEBIT_ADAM", "1")
+    monkeypatch.setenv("ONEBIT_OPTIMIZER", "zero_one_adam")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError) as raised:
+        OneBitSettings.from_env()
+    assert message in str(raised.value)
+
+
+# 0/1 Adam under onebit-run: Adam to step 12, then local steps, the interval doubling every 2
+# steps (steps 13, 14, 16 and 30, the last, sync); step 25 is between syncs.
+ZERO_ONE = {"ONEBIT_ADAM": "1", "ONEBIT_OPTIMIZER": "zero_one_adam",
+            "ONEBIT_VAR_FREEZE_STEP": "12", "ONEBIT_LOCAL_STEP_SCALER": "2",
+            "ONEBIT_TOTAL_STEPS": "30"}
+
+
+def test_zero_one_adam_under_onebit_run_resumes_between_syncs_bitwise(tmp_path):
+    """The unmodified script's AdamW becomes ZeroOneAdam; every rank ends on one point (the last
+    step syncs); save_state between syncs (each rank's own parameters) and load_state continue
+    the uninterrupted run bit for bit. (Accuracy: benchmarks/fidelity.py; this schedule, local
+    intervals of 16 from step 21 of 30, is there to reach phase B at all.)"""
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    _launch(whole, ZERO_ONE)
+    _launch(resumed, ZERO_ONE, "--save-at", "25", "--explicit-import", launcher=False)
+    ranks = _ranks(whole)
+    assert ranks[0]["optimizer"] == "ZeroOneAdam"
+    assert_ranks_identical([r["params"] for r in ranks], "parameters")
+    for a, b in zip(ranks, _ranks(resumed), strict=True):
+        for x, y in zip(a["params"], b["params"], strict=True):
+            assert torch.equal(x, y)
+    assert json.loads((whole / "summary.json").read_text())["steps"] == 30

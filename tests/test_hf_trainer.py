@@ -102,7 +102,7 @@ def test_the_trainers_max_steps_reaches_freeze_step_auto():
     create_scheduler(num_training_steps) hands it over, before prepare() (transformers 4.x:
     onto the optimizer OneBitAdam then replaces) or after it (5.x: OneBitAdam itself)."""
     from onebit_plugin import OneBitAdam
-    from onebit_plugin.integrations.accelerate_flag import OneBitSettings, to_onebit_adam
+    from onebit_plugin.integrations.accelerate_flag import OneBitSettings, to_member
     from onebit_plugin.integrations.transformers_trainer import patch_trainer
 
     class Trainer:
@@ -122,7 +122,7 @@ def test_the_trainers_max_steps_reaches_freeze_step_auto():
     p = torch.nn.Parameter(torch.zeros(3))
     adamw = torch.optim.AdamW([p])
     assert Trainer(adamw).create_scheduler(num_training_steps=80) == "scheduler"
-    onebit = to_onebit_adam(adamw, OneBitSettings(freeze_step="auto"))
+    onebit = to_member(adamw, OneBitSettings(freeze_step="auto"))
     assert onebit.auto_freeze.ceiling == 16  # 20% of 80
 
     class Wrapped:  # Accelerate's AcceleratedOptimizer

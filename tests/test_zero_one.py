@@ -87,6 +87,37 @@ def test_the_first_var_update_scaler_steps_are_adamw_bit_for_bit():
         assert torch.equal(p, q)
 
 
+def test_in_one_process_a_sync_lands_where_the_local_steps_went(monkeypatch):
+    """One rank: the average is its own ``y``, so the landing (from ``u``, the common point and
+    ``D``, ``L``) must be the local trajectory's end, to rounding and the bias correction taken
+    at the sync's step: within 0.1% of one step's size (2e-7 measured against lr 1e-3)."""
+    from onebit_plugin.local_steps import LocalSteps
+
+    land, gaps = LocalSteps.land_, []
+
+    def recording(self, units, *args, **kwargs):
+        before = [p.detach().clone() for u in units for p in u.params]
+        land(self, units, *args, **kwargs)
+        gaps.append(max(float((p - b).abs().max()) for p, b in
+                        zip([p for u in units for p in u.params], before, strict=True)))
+
+    monkeypatch.setattr(LocalSteps, "land_", recording)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 5))
+    lr = 1e-3
+    opt = ZeroOneAdam(model.parameters(), lr=lr, var_freeze_step=40, local_step_scaler=5,
+                      total_steps=120, weight_decay=0.01, bound_update=False)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(512, 20, generator=gen), torch.randint(0, 5, (512,), generator=gen)
+    for _ in range(120):
+        i = torch.randint(0, 512, (32,), generator=gen)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[i]), y[i]).backward()
+        opt.step()
+    assert opt.local_interval == 16 and len(gaps) == opt.syncs > 10
+    assert max(gaps) <= 1e-3 * lr, gaps
+
+
 # ------------------------------------------------------------------------------------ 2 ranks
 class _Net(nn.Module):
     def __init__(self):
