@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from onebit_plugin import OneBitAdam, check_lockstep
+from onebit_plugin import OneBitAdam, ZeroOneAdam, check_lockstep
 
 try:
     from charlm import CharGPT, evaluate, freeze_step_arg, load_corpus, loss_fn, sample_batch
@@ -40,6 +40,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--freeze-step", type=freeze_step_arg, default=60, help="an int, or auto")
+    p.add_argument("--zero-one", action="store_true",
+                   help="ZeroOneAdam (0/1 Adam, its schedule from --steps) instead of OneBitAdam")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
     p.add_argument("--context", type=int, default=64)
@@ -123,15 +125,17 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = CharGPT(dim=args.dim, layers=args.layers, context=args.context).to(device)
     train, val = load_corpus()
-    opt = OneBitAdam(
-        model.parameters(), lr=args.lr,
-        freeze_step=10**12 if args.baseline else args.freeze_step, total_steps=args.steps,
-        max_block=args.max_block, scale=args.scale, mask_zero_variance=not args.no_mask,
-        compress_momentum=not args.exact_momentum, comm_timeout=args.comm_timeout,
-        bound_update=not args.no_bound,
-    )
+    shared = dict(total_steps=args.steps, max_block=args.max_block, scale=args.scale,
+                  mask_zero_variance=not args.no_mask, comm_timeout=args.comm_timeout,
+                  bound_update=not args.no_bound)
+    if args.zero_one:
+        opt = ZeroOneAdam(model.parameters(), lr=args.lr, decoupled_weight_decay=False, **shared)
+    else:
+        opt = OneBitAdam(model.parameters(), lr=args.lr,
+                         freeze_step=10**12 if args.baseline else args.freeze_step,
+                         compress_momentum=not args.exact_momentum, **shared)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own batches
-    name = "Adam" if args.baseline else "OneBitAdam"
+    name = "Adam" if args.baseline else type(opt).__name__
     say = print if rank == 0 else (lambda *a, **k: None)
     n_params = sum(p.numel() for p in model.parameters())
     say(f"{name}: {n_params} parameters, {world} rank(s), {backend}, {args.steps} steps")
@@ -171,7 +175,7 @@ def main(argv=None) -> dict:
             say(f"step {step:5d}  stage {opt.stage:11s}  train {loss.item():.3f}  "
                 f"val {val_loss:.3f}  sent {opt.bytes_sent / 2**20:8.2f} MiB  "
                 f"(fp32 allreduce: {opt.dense_bytes / 2**20:8.2f} MiB)")
-        if args.check_lockstep and step % args.check_lockstep == 0:
+        if args.check_lockstep and step % args.check_lockstep == 0 and not opt.between_syncs:
             check_lockstep(model.parameters(), opt)  # raises LockstepError on any difference
             checks += 1
         if args.ckpt_dir and step % args.ckpt_every == 0:

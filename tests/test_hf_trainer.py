@@ -23,11 +23,12 @@ STEPS, FREEZE = 80, 20  # the freeze after the LR warm-up (10 steps), 25% of the
 
 
 def _launch(out: Path, onebit: bool, *args: str, steps: int = STEPS,
-            freeze: int | str = FREEZE) -> str:
+            freeze: int | str = FREEZE, launcher: tuple[str, ...] | None = None) -> str:
     cmd = [*accelerate_launch(BIN), str(SCRIPT), "--steps", str(steps), "--out", str(out),
            *args]
     if onebit:
-        cmd = [str(BIN / "onebit-run"), "--freeze-step", str(freeze), *cmd]
+        cmd = [str(BIN / "onebit-run"),
+               *(launcher if launcher is not None else ("--freeze-step", str(freeze))), *cmd]
     env = {k: v for k, v in os.environ.items() if not k.startswith("ONEBIT_")}
     # Default settings. The Trainer clips at max_grad_norm=1.0 on every step of this run; since
     # that clipping reaches OneBitAdam.clip_grad_norm_ (2026-12-01) this 80-step run frozen at
@@ -130,3 +131,24 @@ def test_the_trainers_max_steps_reaches_freeze_step_auto():
 
     Trainer(Wrapped()).create_scheduler(num_training_steps=50)
     assert Wrapped.optimizer.auto_freeze.ceiling == 10
+
+
+def test_trainer_under_onebit_run_with_zero_one_adam_resumes_between_syncs_bitwise(tmp_path):
+    """`onebit-run --optimizer zero_one_adam`: the Trainer's AdamW becomes ZeroOneAdam, which
+    takes the run's length from the Trainer; refreshes to step 30, then local steps whose
+    interval doubles every 5 steps (syncs at 31-35, 36, 38, 40, 44, 48, 64 and 80): the
+    checkpoint at step 60 is between syncs, each rank's own parameters in it come back."""
+    zero_one = ("--optimizer", "zero_one_adam", "--var-freeze-step", "30",
+                "--local-step-scaler", "5")
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    _launch(whole, True, "--save-steps", "60", launcher=zero_one)
+    summary = json.loads((whole / "summary.json").read_text())
+    assert summary["optimizer"] == "ZeroOneAdam" and summary["steps"] == STEPS
+    ranks = rank_params(whole)
+    assert_ranks_identical(ranks, "parameters after the last step's sync")
+    _launch(resumed, True, "--resume", str(whole / "checkpoints" / "checkpoint-60"),
+            launcher=zero_one)
+    assert json.loads((resumed / "summary.json").read_text())["first_step"] == 61
+    for a, b in zip(ranks, rank_params(resumed), strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y)
