@@ -597,15 +597,13 @@ class OneBitOptimizer(Optimizer):
         trainable = self._trainable()
         grads = {p: p.grad for p in trainable}
         counts = self._count_step()  # every rank counts the step: counts stay the same
-        corrections = self._corrections(counts)
         if all_finite([g for g in grads.values() if g is not None]):
             self._local_streak = 0
             LocalSteps.fold_(units, grads)
             self._frozen_update(counts, averaged=False)
         else:
             self._skip_locally()
-            corrections = None
-        self.local_steps.advance(units, self.param_groups, corrections)
+        self.local_steps.advance(self.param_groups)
         # What DDP with Adam would have sent for this step, for compression_ratio.
         self.counts.add_exact(0, ring_bytes(4 * sum(p.numel() for p in trainable),
                                             self.world_size) if not sync else 0)
@@ -620,7 +618,8 @@ class OneBitOptimizer(Optimizer):
     def _sync(self, corrections: dict) -> None:
         local = self.local_steps
         self.syncs += 1
-        ok = local.send_(self.units, self.communicator, self.param_groups, corrections)
+        ok = local.send_(self.units, self.communicator, self.param_groups, self._fp32_of,
+                         corrections)
         if not ok:
             log.warning("onebit: the sync at step %d was not finite on some rank: every rank "
                         "goes back to the last sync's point (decayed), the %d local steps "

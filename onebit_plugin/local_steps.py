@@ -1,28 +1,34 @@
 """Local steps between syncs (0/1 Adam's phase B, Lu et al., ICLR 2023).
 
 Between syncs each rank folds its *own* gradient into its momentum and moves its parameters by
-the frozen-variance update: nothing is sent, and ranks differ by design. Each rank also
-accumulates, in its momentum units' fold buffers (which a local step does not otherwise use),
+the frozen-variance update: nothing is sent, and ranks differ by design. At a sync every rank
+sends what it moved since the last sync, as a momentum: with ``x`` the common point of the last
+sync, ``p`` this rank's parameters now, ``D`` the product of the decoupled decay factors since
+and ``L`` the learning rates summed with the same decay (both the same on every rank),
 
-    u = sum over the interval's steps j of  F_j * lr_j * m_j / (1 - b1**j)
+    y = (D * x - p) * denom * (1 - b1**t) / L
 
-(``F_j``: the decoupled decay factors after step j), the paper's ``u``. At a sync every rank sends
-``y = u * (1 - b1**t) / L`` (``L = sum F_j * lr_j``, the same on every rank): the lr-weighted
-mean of its bias-corrected momenta over the interval, in momentum units, so that at an interval
-of 1 it is exactly the momentum 1-bit Adam sends and the units' error buffers carry over from
-phase A (DeepSpeed sent the raw sum and restarted its errors at the phase change). The units'
-1-bit allreduce averages ``y``; every rank takes the average as its momentum and lands on
+is what this rank moved over the interval, less the decay, as a momentum: the lr-weighted mean
+of the steps it applied, ``m_hat / denom`` each (clamped to +-1 with ``bound_update``), times
+``denom * (1 - b1**t)``. At an interval of 1 without the bound it is exactly the momentum 1-bit
+Adam sends, so the units' error buffers carry over from phase A (the paper's ``u`` in momentum
+units; DeepSpeed sent the raw sum and restarted its errors at the phase change). With the bound
+the momentum carried on is the one applied: a coordinate whose step was clamped (a rare
+embedding row over a stale variance) does not carry the excess into the next interval. On the
+word-embedding workload of ``benchmarks/fidelity.py`` (2,000 steps) the unclamped mean momentum
+(the paper's ``u``, accumulated separately) ended 2.7-3.4% above Adam where this ended within
+1% (docs/benchmarks.md). Taken from the parameters, it needs no buffer and no pass per local
+step: one pass at the sync, whose rounding (an ulp of ``p`` against the interval's movement) is
+far below the 1-bit compression's error. The units' 1-bit allreduce averages ``y``; every rank
+then takes it as the momentum and lands on
 
     p = D * x - L * clamp(avg(y) / (denom * (1 - b1**t)), -1, 1)
 
-(``x``: the last sync's common point, ``D``: the product of the decay factors since), computed
-from values that are the same on every rank, so that ranks are bit-identical after every sync.
-The local steps only lead each rank to its gradients; the sync replaces where they went.
-Weight decay is not in ``u``: ``D * x`` decays the common point as AdamW decays a parameter (a
-parameter whose gradient is zero decays exactly as under AdamW, to the rounding of the product
-``D``), where DeepSpeed's sum carried ``lr * wd * p`` into the rebuilt momentum and decayed
-several times over. ``u`` holds unclamped momenta: the bound on each step (``bound_update``)
-acts on where a rank goes between syncs and on the landing, not on the momentum carried on.
+computed from values that are the same on every rank, so that ranks are bit-identical after
+every sync. Weight decay is not in ``y``: ``D * x`` decays the common point as AdamW decays a
+parameter, and each local step's own decay is undone by ``D`` (a parameter whose gradient is
+zero decays exactly as under AdamW, to the rounding of the product ``D``), where DeepSpeed's
+sum carried ``lr * wd * p`` into the rebuilt momentum and decayed several times over.
 """
 
 from __future__ import annotations
@@ -40,9 +46,8 @@ log = logging.getLogger("onebit_plugin")
 
 class LocalSteps:
     """Phase B's state on one rank: the last sync's common point per momentum unit (one flat
-    fp32 buffer each, in the unit's layout: 4 bytes per parameter), the accumulated ``u`` in the
-    units' fold buffers, and per parameter group ``decay`` (``D``) and ``lr_sum`` (``L``)
-    since the last sync.
+    fp32 buffer each, in the unit's layout: 4 bytes per parameter) and, per parameter group,
+    ``decay`` (``D``) and ``lr_sum`` (``L``) since then.
 
     Args:
         units: the momentum units.
@@ -57,7 +62,6 @@ class LocalSteps:
             for p in unit.params:
                 unit.view(p, anchor).copy_(fp32_of(p))
             self.anchor[unit] = anchor
-            unit.local.zero_()  # u
         self.decay = [1.0] * len(groups)
         self.lr_sum = [0.0] * len(groups)
         self.steps = 0  # local steps since the last sync
@@ -78,45 +82,35 @@ class LocalSteps:
             if unit.masked is not None:
                 unit.momentum.masked_fill_(unit.masked, 0.0)
 
-    @torch.no_grad()
-    def advance(self, units: list, groups: list[dict], corrections: dict | None) -> None:
-        """One local step was taken with each group's ``lr`` and decoupled ``weight_decay``:
-        its momenta (bias-corrected by ``corrections``, parameter -> ``1 - b1**t``) into ``u``.
-        ``corrections`` None: this rank skipped the step (the others, who took it, do not
-        know): its ``u`` only decays, ``D`` and ``L`` advance as everywhere."""
-        index = {id(g): i for i, g in enumerate(groups)}
-        factors = [1 - g["lr"] * g["weight_decay"]
-                   if g["decoupled_weight_decay"] and g["weight_decay"] != 0 else 1.0
-                   for g in groups]
-        for unit in units:
-            for p in unit.params:
-                i = index[id(unit.hypers[p])]
-                u = unit.view(p, unit.local)
-                if factors[i] != 1.0:
-                    u.mul_(factors[i])
-                if corrections is not None:
-                    u.add_(unit.view(p), alpha=groups[i]["lr"] / corrections[p])
+    def advance(self, groups: list[dict]) -> None:
+        """One local step was taken (or skipped on this rank: the others took it) with each
+        group's ``lr`` and decoupled ``weight_decay``."""
         for i, g in enumerate(groups):
-            self.decay[i] *= factors[i]
-            self.lr_sum[i] = self.lr_sum[i] * factors[i] + g["lr"]
+            factor = (1 - g["lr"] * g["weight_decay"]
+                      if g["decoupled_weight_decay"] and g["weight_decay"] != 0 else 1.0)
+            self.decay[i] *= factor
+            self.lr_sum[i] = self.lr_sum[i] * factor + g["lr"]
         self.steps += 1
 
     # ---------------------------------------------------------------------------------- sync
     @torch.no_grad()
-    def send_(self, units: list, comm, groups: list[dict], corrections: dict) -> bool:
-        """Average every unit's ``y`` (module docstring), made from ``u`` in place, by
-        ``comm``; ``corrections``: parameter -> ``1 - b1**t``. False (on every rank) when some
-        rank's was not finite."""
+    def send_(self, units: list, comm, groups: list[dict], fp32_of, corrections: dict) -> bool:
+        """Average every unit's ``y`` (module docstring) into its fold buffer, by ``comm``;
+        ``corrections``: parameter -> ``1 - b1**t``. False (on every rank) when some rank's
+        was not finite."""
         index = {id(g): i for i, g in enumerate(groups)}
         ok = True
         for unit in units:
+            anchor = self.anchor[unit]
             for p in unit.params:
                 i = index[id(unit.hypers[p])]
                 y = unit.view(p, unit.local)
                 if self.lr_sum[i] == 0:  # lr 0 throughout: nothing moved
                     y.zero_()
-                else:
-                    y.mul_(corrections[p] / self.lr_sum[i])
+                    continue
+                torch.mul(unit.view(p, anchor), self.decay[i], out=y)
+                y.sub_(fp32_of(p)).mul_(unit.view(p, unit.denom))
+                y.mul_(corrections[p] / self.lr_sum[i])
             ok &= comm.reduce_(unit.local, unit.plan, unit.errors)
         return ok
 
@@ -143,18 +137,15 @@ class LocalSteps:
                 else:
                     m.zero_()
                 write_back(p, x)
-            unit.local.zero_()  # u of the next interval
         self.decay = [1.0] * len(groups)
         self.lr_sum = [0.0] * len(groups)
         self.steps = 0
 
     # --------------------------------------------------------------------------- checkpoints
     def state_dict(self, units: list) -> dict:
-        """This rank's phase-B state, in unit order: the anchors (the same on every rank) and
-        ``u`` (this rank's; its parameters and momenta between syncs are its own too: the
-        optimizer saves those)."""
-        return {"anchors": [self.anchor[u].clone() for u in units],
-                "accumulated": [u.local.clone() for u in units], "decay": list(self.decay),
+        """This rank's phase-B state, in unit order (the anchors are the same on every rank,
+        the parameters and momenta between syncs are not: :class:`ZeroOneAdam` saves those)."""
+        return {"anchors": [self.anchor[u].clone() for u in units], "decay": list(self.decay),
                 "lr_sum": list(self.lr_sum), "steps": self.steps}
 
     def load_state_dict(self, state: dict, units: list) -> None:
@@ -164,13 +155,11 @@ class LocalSteps:
                 f"{len(state['decay'])} parameter groups) does not fit this optimizer "
                 f"({len(units)} units, {len(self.decay)} groups): resume with the same "
                 "parameters, groups and bucket_cap_mb")
-        for unit, saved, accumulated in zip(units, state["anchors"], state["accumulated"],
-                                            strict=True):
+        for unit, saved in zip(units, state["anchors"], strict=True):
             if saved.shape != self.anchor[unit].shape:
                 raise ValueError(f"a saved sync point has {saved.numel()} values, its unit "
                                  f"{self.anchor[unit].numel()}")
             self.anchor[unit].copy_(saved)
-            unit.local.copy_(accumulated)
         self.decay, self.lr_sum = list(map(float, state["decay"])), list(
             map(float, state["lr_sum"]))
         self.steps = int(state["steps"])
