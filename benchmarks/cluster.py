@@ -14,6 +14,8 @@ configuration in turn:
     onebit_hook_sync  the same with overlap=False (compression in optimizer.step())
     onebit_lightning  Trainer(strategy="onebit_adam", num_nodes=N)
     onebit_plain      OneBitAdam on plain torch.distributed, no DDP
+    zero_one_hook     DDP + ZeroOneAdam's hook (0/1 Adam; refreshes to step 48, then local
+                      steps, the interval doubling every 10 steps up to 16; only with --configs)
     lightning_adam    Trainer(strategy="ddp") + torch.optim.Adam: the Lightning strategy's own
                       baseline, Lightning's loop included (only with --configs)
 
@@ -46,7 +48,7 @@ WORKER = ROOT / "benchmarks" / "cluster_worker.py"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 ALL = ("adam", "fp16", "powersgd1", "powersgd4", "onebit_hook", "onebit_hook_sync",
        "onebit_lightning", "onebit_plain")
-EXTRA = ("lightning_adam",)
+EXTRA = ("lightning_adam", "zero_one_hook")
 # comm: ~6.5M parameters and a small per-rank batch, so that an fp32 allreduce at 1 Gbit/s
 # costs several times the compute; compute: a 137K-parameter model where it does not.
 WORKLOADS = {
@@ -211,6 +213,12 @@ def report(records: dict, args, network: str) -> str:
                       f"{r[key]['compression'] * 1e3:.0f}"
                       for key in ("mean_step_s", "median_step_s", "first_step_s"))
                   for name, r in records.items() if "compression" in r["mean_step_s"]]
+    for name, r in records.items():
+        if r.get("kinds"):
+            lines += ["", f"{name}, per kind of step (rank 0): median step ms / bytes per step "
+                          "on the link / steps", ""]
+            lines += [f"- {kind}: {k['median_step_s'] * 1e3:.0f} / {k['bytes_per_step']:,.0f} / "
+                      f"{k['steps']}" for kind, k in r["kinds"].items()]
     lines += ["", "Where a compression-stage step goes (rank 0, ms): forward+backward (DDP's own "
               "allreduce included) / optimizer step / per compressed allreduce: compression "
               "work / waiting on its collectives (calls per step)", ""]

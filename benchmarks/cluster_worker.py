@@ -26,10 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 from charlm import CharGPT, evaluate, load_corpus, loss_fn, sample_batch  # noqa: E402
 
-from onebit_plugin import OneBitAdam, register_onebit_hook  # noqa: E402
+from onebit_plugin import OneBitAdam, ZeroOneAdam, register_onebit_hook  # noqa: E402
 
 CONFIGS = ("adam", "fp16", "powersgd1", "powersgd4", "onebit_hook", "onebit_hook_sync",
-           "onebit_plain", "onebit_lightning", "lightning_adam")
+           "onebit_plain", "onebit_lightning", "lightning_adam", "zero_one_hook")
 
 
 def tx_bytes(iface: str) -> int:
@@ -46,6 +46,10 @@ def parse_args():
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--var-freeze-step", type=int, default=48,
+                   help="zero_one_hook: ZeroOneAdam's last refresh step")
+    p.add_argument("--local-step-scaler", type=int, default=10,
+                   help="zero_one_hook: ZeroOneAdam's steps before the local interval doubles")
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--iface", default="lo")
     p.add_argument("--out", required=True)
@@ -62,6 +66,7 @@ class Recorder:
         self.steps: dict[str, int] = {}
         self.curve: list[tuple[int, float, float]] = []
         self.phases: dict[str, dict[str, list[float]]] = {}
+        self.kinds: dict[str, list[tuple[float, int]]] = {}  # 0/1 Adam: per exchange kind
         self.train_time = 0.0
 
     def step(self, stage: str, seconds: float, sent: int) -> None:
@@ -69,6 +74,9 @@ class Recorder:
         self.bytes[stage] = self.bytes.get(stage, 0) + sent
         self.steps[stage] = self.steps.get(stage, 0) + 1
         self.train_time += seconds
+
+    def kind(self, kind: str, seconds: float, sent: int) -> None:
+        self.kinds.setdefault(kind, []).append((seconds, sent))
 
     def phase(self, stage: str, name: str, seconds: float) -> None:
         self.phases.setdefault(stage, {}).setdefault(name, []).append(seconds)
@@ -92,6 +100,9 @@ class Recorder:
             "train_time_s": self.train_time,
             "mean_phase_s": {stage: {k: sum(v) / len(v) for k, v in phases.items()}
                              for stage, phases in self.phases.items()},
+            "kinds": {k: {"steps": len(v), "median_step_s": sorted(t for t, _ in v)[len(v) // 2],
+                          "bytes_per_step": sum(b for _, b in v) / len(v)}
+                      for k, v in self.kinds.items()},
         }
 
 
@@ -135,12 +146,17 @@ def run_plain(args, model, train, rec) -> str:
         # threads in an order that differs between ranks, and gloo aborts ("Received data size
         # doesn't match expected size", seen on this cluster).
         net = DDP(model, bucket_cap_mb=1024)
-    elif cfg.startswith("onebit_hook"):
+    elif cfg.startswith(("onebit_hook", "zero_one_hook")):
         # As the package's strategies and Accelerator wrap it (the baselines keep DDP's default).
         net = DDP(model, gradient_as_bucket_view=True)
     else:
         net = DDP(model)
-    if cfg.startswith("onebit"):
+    if cfg == "zero_one_hook":
+        opt = ZeroOneAdam(net.parameters(), lr=args.lr, decoupled_weight_decay=False,
+                          var_freeze_step=args.var_freeze_step,
+                          local_step_scaler=args.local_step_scaler, total_steps=args.steps)
+        register_onebit_hook(net, opt)
+    elif cfg.startswith("onebit"):
         opt = OneBitAdam(net.parameters(), lr=args.lr, freeze_step=args.freeze_step)
         if cfg.startswith("onebit_hook"):
             register_onebit_hook(net, opt, overlap=cfg == "onebit_hook")
@@ -157,6 +173,9 @@ def run_plain(args, model, train, rec) -> str:
     for step in range(1, args.steps + 1):
         x, y = sample_batch(train, args.batch, args.context, gen)
         stage = "warmup" if step <= args.freeze_step else "compression"
+        kind = getattr(opt, "coming_exchange", None)
+        if isinstance(opt, ZeroOneAdam):  # its exact stage is its own (var_update_scaler)
+            stage = "warmup" if opt.switch_step is None else "compression"
         before = tx_bytes(args.iface)
         start = time.perf_counter()
         opt.zero_grad()
@@ -164,12 +183,16 @@ def run_plain(args, model, train, rec) -> str:
         backward_done = time.perf_counter()
         opt.step()
         rec.step(stage, time.perf_counter() - start, tx_bytes(args.iface) - before)
+        if isinstance(opt, ZeroOneAdam):
+            rec.kind(kind, time.perf_counter() - start, tx_bytes(args.iface) - before)
         rec.phase(stage, "forward_backward", backward_done - start)
         rec.phase(stage, "optimizer_step", time.perf_counter() - backward_done)
         if step % args.eval_every == 0 or step == args.steps:
             rec.evaluate(model, step)
-    if isinstance(opt, OneBitAdam) and opt.stage == "compression":
+    if isinstance(opt, OneBitAdam | ZeroOneAdam) and opt.stage == "compression":
         rec.comms = [opt.communicator]
+    if isinstance(opt, ZeroOneAdam):
+        rec.freeze_step = opt.switch_step
     return type(opt).__name__
 
 
@@ -275,7 +298,7 @@ def main() -> None:
         record = {
             "config": args.config, "optimizer": optimizer, "world_size": world,
             "parameters": sum(p.numel() for p in model.parameters()),
-            "steps": args.steps, "freeze_step": args.freeze_step,
+            "steps": args.steps, "freeze_step": getattr(rec, "freeze_step", args.freeze_step),
             "compute_only_step_s": compute_s, "fp32_allreduce_s": allreduce_s,
             "final_val_loss": rec.curve[-1][2], "iface": args.iface, "pid": os.getpid(),
             "compression_calls": sum(c.calls for c in comms),

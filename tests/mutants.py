@@ -67,6 +67,8 @@ CKPT = "onebit_plugin/checkpoint.py"
 CHECKS = "onebit_plugin/rank_checks.py"
 MASKS = "onebit_plugin/masks.py"
 CONFIG = "onebit_plugin/config.py"
+ZERO_ONE = "onebit_plugin/zero_one.py"
+LOCAL = "onebit_plugin/local_steps.py"
 
 MUTANTS = [
     # ---------------------------------------------------------------- issue 27's findings
@@ -294,6 +296,31 @@ MUTANTS = [
     _m("key-bias-not-masked", "row: a gradient zero up to rounding is masked", MASKS,
        "        keep = root >= negligible\n", "        keep = root >= 0\n",
        "tests/test_optimizer.py::test_attention_key_bias_moves_no_more_than_under_adam"),
+    # 0/1 Adam (issue 29)
+    _m("zero-one-refresh-not-counted", "row: 0/1 Adam's phase A", ZERO_ONE,
+       '            s["frozen_step"] += 1.0\n', "            pass\n",
+       "tests/test_zero_one.py::"
+       "test_phase_a_in_one_process_is_adam_whose_variance_moves_only_on_refresh_steps"),
+    _m("zero-one-denominators-not-refreshed", "row: 0/1 Adam's phase A", BASE,
+       "        refresh_denominators(self.units, self.state,",
+       "        (lambda *a: None)(self.units, self.state,",
+       "tests/test_zero_one.py::"
+       "test_phase_a_in_one_process_is_adam_whose_variance_moves_only_on_refresh_steps"),
+    _m("zero-one-hook-sends-in-local-steps", "row: a local step sends nothing", HOOK,
+       "    if coming in (LOCAL, SYNC):", "    if False:",
+       "tests/test_zero_one.py::"
+       "test_a_local_step_sends_nothing_and_a_sync_sends_one_compressed_allreduce_per_unit"),
+    _m("zero-one-sync-point-not-decayed", "row: 0/1 Adam's decay is AdamW's", LOCAL,
+       "                x.mul_(self.decay[i])\n", "",
+       "tests/test_zero_one.py::test_a_parameter_with_zero_gradient_decays_exactly_as_under_adamw"),
+    _m("zero-one-no-landing", "row: bit-identical after every sync", LOCAL,
+       "                write_back(p, x)\n", "",
+       "tests/test_zero_one.py::test_ranks_differ_between_syncs_and_are_bit_identical_after_each"),
+    _m("zero-one-own-params-not-saved", "row: 0/1 Adam resumes between syncs", CKPT,
+       '"local_steps": opt._local_state()', '"local_steps": None',
+       "tests/test_zero_one.py::test_resume_is_bitwise_in_every_phase",
+       "tests/test_zero_one.py::"
+       "test_between_syncs_each_rank_resumes_its_own_parameters_from_rank_0s_checkpoint"),
 ]
 
 

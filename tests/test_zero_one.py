@@ -87,6 +87,44 @@ def test_the_first_var_update_scaler_steps_are_adamw_bit_for_bit():
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_phase_a_in_one_process_is_adam_whose_variance_moves_only_on_refresh_steps(decoupled):
+    """Phase A, one process (the momentum's exchange is then exact): the momentum follows every
+    gradient, the variance only the refresh steps' (1-4, then every 2nd to 12, every 4th to
+    28, ...), its bias correction counting its updates; written out here in plain torch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    lr, wd, (b1, b2), eps = 1e-2, 0.1, (0.9, 0.999), 1e-8
+    opt = ZeroOneAdam(model.parameters(), lr=lr, weight_decay=wd, var_freeze_step=60,
+                      var_update_scaler=4, decoupled_weight_decay=decoupled, total_steps=100,
+                      bound_update=False)
+    params = [p.detach().clone() for p in model.parameters()]
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    updates = 0
+    for t in range(1, 61):
+        x = torch.randn(32, 8, generator=torch.Generator().manual_seed(t))
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        refresh = refreshes_variance(t, 4)
+        updates += refresh
+        for p, g, m_, v_ in zip(params, grads, m, v, strict=True):
+            if not decoupled:
+                g = g + wd * p
+            m_.mul_(b1).add_(g, alpha=1 - b1)
+            if refresh:
+                v_.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (v_ / (1 - b2**updates)).sqrt() + eps
+            if decoupled:
+                p.mul_(1 - lr * wd)
+            p.sub_(lr * (m_ / (1 - b1**t)) / denom)
+    assert opt.phase == "A" and opt.variance_refreshes == updates == refreshes_until(60, 4)
+    for p, q in zip(model.parameters(), params, strict=True):
+        torch.testing.assert_close(p.detach(), q, rtol=1e-5, atol=1e-6)
+
+
 def test_in_one_process_a_sync_lands_where_the_local_steps_went(monkeypatch):
     """One rank: the average is its own ``y``, so the landing (from ``u``, the common point and
     ``D``, ``L``) must be the local trajectory's end, to rounding and the bias correction taken
