@@ -58,7 +58,11 @@ VARIANTS = ["adam", "onebit_fixed", "onebit_auto", "onebit_auto_unbounded", "fp1
 # 0/1 Adam (``--steps 2000 --variants adam,onebit_auto,zero_one,...``, docs/benchmarks.md):
 # its defaults, local intervals reaching 16 early (local_step_scaler=8), and up to 64.
 ZERO_ONE = {"zero_one": {}, "zero_one_local16_early": {"local_step_scaler": 8},
-            "zero_one_local64": {"local_step_clipper": 64}}
+            "zero_one_local64": {"local_step_clipper": 64},
+            # What costs what: phase B syncing every step (no local steps), and phase A only
+            # (refreshes for the whole run, no phase B).
+            "zero_one_sync_every_step": {"local_step_clipper": 1},
+            "zero_one_phase_a_only": {"var_freeze_step": 100_000}}
 ALL_VARIANTS = VARIANTS + list(ZERO_ONE)
 # The collectives a rank calls, counted by wrapping torch.distributed's functions (DDP's own
 # C++ allreduce is not one of them: the plain-Adam variants average through an equal Python

@@ -167,8 +167,7 @@ def main(argv=None) -> dict:
         opt.step()
         step_times[stage].append(time.perf_counter() - start)
         if opt.switch_step == step:
-            say(f"step {step}: variance frozen, compression stage starts "
-                f"(momentum now sent as 1-bit signs)", flush=True)
+            say(f"step {step}: {opt.switch_message()}", flush=True)
         if step % args.eval_every == 0 or step == args.steps:
             val_loss = evaluate(model, val.to(device), args.context)
             history.append((step, loss.item(), val_loss))

@@ -104,8 +104,9 @@ def _when(opt) -> str:
         if opt.total_steps is None and "auto" in (opt.policy.var_freeze_step,
                                                   opt.policy.local_step_scaler):
             return (f"after step {opt.freeze_step} (0/1 Adam; its 'auto' schedule needs the "
-                    "run's length: a transformers.Trainer gives it, else set "
-                    "ONEBIT_TOTAL_STEPS, or the first compressed step raises)")
+                    "run's length, which a transformers.Trainer gives when it makes its "
+                    "scheduler; in any other script set ONEBIT_TOTAL_STEPS or onebit-run "
+                    f"--total-steps, or step {opt.freeze_step + 1} raises)")
         schedule = opt.policy.schedule(opt.total_steps)
         return (f"after step {opt.freeze_step} (0/1 Adam: variance refreshes in full precision "
                 f"to step {schedule.var_freeze_step}, then local steps, the interval doubling "
@@ -281,7 +282,7 @@ class Accelerator(accelerate.Accelerator):
         # script's code alone suggests.
         opt = self._onebit_pending[0]
         say_at_exit_if_uncompressed(opt)
-        self.print(f"onebit: 1-bit Adam on: {type(opt).__name__} averages with the 1-bit hook "
+        self.print(f"onebit: {type(opt).__name__} on: it averages with the 1-bit hook "
                    f"(overlap={self.onebit_hook_state.overlap}, DDP gradient_as_bucket_view="
                    f"{self._onebit_models[0].gradient_as_bucket_view}); the momentum is "
                    f"exchanged as 1-bit signs {_when(opt)}")

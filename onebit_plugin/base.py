@@ -117,6 +117,7 @@ class OneBitOptimizer(Optimizer):
         self.handoff = HandOff()  # what backward leaves for step(), reset once per step
         self.local_steps: LocalSteps | None = None  # between syncs (a member with local steps)
         self.syncs = 0  # syncs of local steps so far
+        self._said_apart = False
         self._local_streak = 0
         self._grad_flat: torch.Tensor | None = None
         self._settings_checked = False
@@ -257,9 +258,27 @@ class OneBitOptimizer(Optimizer):
 
     def training_ended(self) -> None:
         """Training is over (the integrations call it; a loop of one's own may): when it never
-        reached the compression stage, that is said once, on rank 0."""
+        reached the compression stage, that is said once, on rank 0; when it ended between
+        syncs of local steps (the ranks' parameters differ), that is said on every rank."""
         self.run_length.say_ended(self.global_step, self.freeze_step,
                                   self.switch_step is not None, self._rank)
+        if self.between_syncs and not self._said_apart:
+            self._said_apart = True
+            log.warning(
+                "onebit: training ended %d local steps after the last sync: every rank holds "
+                "parameters of its own, and what rank 0 saves or evaluates is rank 0's alone. "
+                "Give the optimizer the run's length (total_steps=, ONEBIT_TOTAL_STEPS or "
+                "onebit-run --total-steps) so that the last step syncs, or call "
+                "optimizer.sync_local_steps() on every rank before saving",
+                self.local_steps.steps)
+
+    @torch.no_grad()
+    def sync_local_steps(self) -> None:
+        """Sync now, between steps: every rank lands on the common point of the local steps
+        taken since the last sync (as the next sync would, without a step of its own). A
+        collective: call it on every rank. Nothing happens at a common point."""
+        if self.between_syncs:
+            self._sync(self._corrections(self._steps.tolist()))
 
     @property
     def _rank(self) -> int:

@@ -244,10 +244,11 @@ def settings_from_env() -> EnvSettings | None:
             k, VARIABLES, n=1)) else k for k in unknown]
         raise ValueError(f"unknown setting(s) {', '.join(meant)}: the ONEBIT_ variables "
                          f"are {', '.join(VARIABLES)}")
-    member = os.environ.get("ONEBIT_OPTIMIZER", "").strip().lower() or "onebit_adam"
+    given = os.environ.get("ONEBIT_OPTIMIZER", "").strip()
+    member = given.lower() or "onebit_adam"
     if member not in MEMBERS:
         near = difflib.get_close_matches(member, MEMBERS, n=1)
-        raise ValueError(f"ONEBIT_OPTIMIZER must be one of {', '.join(MEMBERS)}, got {member!r}"
+        raise ValueError(f"ONEBIT_OPTIMIZER must be one of {', '.join(MEMBERS)}, got {given!r}"
                          + (f" (did you mean {near[0]}?)" if near else ""))
     freeze = os.environ.get("ONEBIT_FREEZE_STEP", "").strip()
     schedule = {}

@@ -79,7 +79,8 @@ class ZeroOnePolicy(AdamPolicy):
                 raise ValueError(
                     "ZeroOneAdam: var_freeze_step='auto' and local_step_scaler='auto' are "
                     "chosen from the run's length, which is not known: pass total_steps= (the "
-                    "optimizer steps of the whole run), call optimizer.set_total_steps(n), or "
+                    "optimizer steps of the whole run) or call optimizer.set_total_steps(n); "
+                    "under onebit-run, ONEBIT_TOTAL_STEPS=n or onebit-run --total-steps n; or "
                     "give both numbers (DeepSpeed's defaults were 100000 and 32678)")
             if freeze == AUTO:
                 freeze = auto_var_freeze_step(total_steps, self.var_update_scaler)
@@ -168,6 +169,7 @@ class ZeroOneAdam(OneBitOptimizer):
         bucket_cap_mb: float | None = None,
         max_skipped_steps: int = 20,
         master_weights: bool = False,
+        freeze_step: None = None,
     ):
         check_hparams(lr, betas, eps, weight_decay)
         _check_schedule(var_freeze_step, var_update_scaler, local_step_scaler,
@@ -181,10 +183,35 @@ class ZeroOneAdam(OneBitOptimizer):
             max_skipped_steps=max_skipped_steps, master_weights=master_weights)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         decoupled_weight_decay=decoupled_weight_decay)
+        if freeze_step is not None:
+            raise TypeError("ZeroOneAdam has no freeze_step (1-bit Adam's warm-up): its "
+                            "variance is refreshed to var_freeze_step instead (default 'auto')")
         policy = ZeroOnePolicy(var_freeze_step, var_update_scaler, local_step_scaler,
                                local_step_clipper)
         super().__init__(params, defaults, config, policy, masks=masks,
                          process_group=process_group)
+
+    def switch_message(self) -> str | None:
+        """The end of the exact stage in one line, with the schedule that follows (logged at
+        INFO on rank 0, shown by the Lightning callback); None before."""
+        if self.switch_step is None:
+            return None
+        first = (f"onebit: 0/1 Adam was Adam for {self.switch_step} steps; from step "
+                 f"{self.switch_step + 1} the momentum is "
+                 f"{self.policy.exchange.describe(self.world_size)}")
+        try:
+            s = self.policy.schedule(self.total_steps)
+        except ValueError:  # "auto" without the run's length: the next step raises, saying so
+            return first
+        if s.total_steps is not None and s.var_freeze_step >= s.total_steps:
+            return (f"{first} and the variance refreshed in full precision on "
+                    f"{refreshes_until(s.total_steps, s.var_update_scaler)} steps to the run's "
+                    f"end (var_freeze_step={s.var_freeze_step} >= total_steps="
+                    f"{s.total_steps}: no local steps in this run)")
+        return (f"{first}, the variance refreshed in full precision to step "
+                f"{s.var_freeze_step} ({refreshes_until(s.var_freeze_step, s.var_update_scaler)}"
+                f" refreshes), then local steps, the interval doubling every "
+                f"{s.local_step_scaler} steps up to {s.local_step_clipper}")
 
     # ------------------------------------------------------------------------------ progress
     @property

@@ -331,3 +331,52 @@ def test_between_syncs_each_rank_resumes_its_own_parameters_from_rank_0s_checkpo
     for whole, resumed in run_ranks(_rank0_weights_worker, 2, str(tmp_path / "c"), 22):
         for a, b in zip(whole, resumed, strict=True):
             assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
+
+
+def _ended_apart_worker(rank, world):
+    model = _model()
+    # Both numbers given, no run length: the last step need not sync.
+    opt = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=12, var_update_scaler=4,
+                      local_step_scaler=1, local_step_clipper=4)
+    for step in range(19):  # 13, 14 and 16 sync; 17-19 are local
+        opt.zero_grad()
+        _loss(model, rank, step).backward()
+        opt.step()
+    apart = opt.between_syncs
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("onebit_plugin").addHandler(handler)
+    opt.training_ended()
+    opt.sync_local_steps()
+    return apart, [r.getMessage() for r in records], opt.between_syncs, \
+        [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_run_ending_between_syncs_is_said_and_sync_local_steps_lands_every_rank():
+    (apart0, said0, after0, params0), (apart1, said1, after1, params1) = \
+        run_ranks(_ended_apart_worker, 2)
+    assert apart0 and apart1
+    assert any("3 local steps after the last sync" in m and "total_steps" in m for m in said0)
+    assert not after0 and not after1
+    assert all(torch.equal(p, q) for p, q in zip(params0, params1, strict=True))
+
+
+def test_the_switch_line_says_the_schedule_and_freeze_step_is_refused():
+    model = nn.Linear(2, 2)
+    opt = ZeroOneAdam(model.parameters(), total_steps=2000)
+    for _ in range(16):
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+    assert opt.switch_message() == (
+        "onebit: 0/1 Adam was Adam for 16 steps; from step 17 the momentum is averaged exactly "
+        "in fp32 (compress_momentum=False or one process), the variance refreshed in full "
+        "precision to step 240 (64 refreshes), then local steps, the interval doubling every "
+        "110 steps up to 16")
+    short = ZeroOneAdam(nn.Linear(2, 2).parameters(), total_steps=100)
+    short.switch_step = 16
+    assert "no local steps in this run" in short.switch_message()
+    with pytest.raises(TypeError, match="var_freeze_step"):
+        ZeroOneAdam(model.parameters(), freeze_step=10)
