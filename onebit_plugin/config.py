@@ -16,7 +16,7 @@ import difflib
 import os
 from dataclasses import dataclass
 
-__all__ = ["EnvSettings", "OneBitConfig", "check_hparams", "check_settings", "flag",
+__all__ = ["MEMBERS", "EnvSettings", "OneBitConfig", "check_hparams", "check_settings", "flag",
            "settings_from_env"]
 
 SCALE_RULES = ("rms", "mean")
