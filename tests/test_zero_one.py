@@ -380,3 +380,34 @@ def test_the_switch_line_says_the_schedule_and_freeze_step_is_refused():
     assert "no local steps in this run" in short.switch_message()
     with pytest.raises(TypeError, match="var_freeze_step"):
         ZeroOneAdam(model.parameters(), freeze_step=10)
+
+
+def _local_clip_worker(rank, world):
+    model = _model()
+    opt = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=4, var_update_scaler=4,
+                      local_step_scaler=1, local_step_clipper=4, total_steps=20)
+    seen = []
+    for step in range(10):
+        kind = opt.coming_exchange
+        opt.zero_grad()
+        (_loss(model, rank, step) * 50).backward()  # large enough that clipping acts
+        local = [p.grad.clone() for p in model.parameters()]
+        norm = opt.clip_grad_norm_(0.5)
+        if kind == "local":
+            expected = torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(g) for g in local]))
+            seen.append((float(norm), float(expected), [
+                torch.equal(p.grad, g * (0.5 / (expected + 1e-6))) for p, g in
+                zip(model.parameters(), local, strict=True)]))
+        opt.step()
+    return seen
+
+
+def test_a_local_step_clips_each_ranks_own_gradient_by_its_own_norm():
+    """Phase B's local steps: no rank has the average and nothing is sent, so
+    ``clip_grad_norm_`` is torch's on this rank's gradient (docs/usage.md, "0/1 Adam")."""
+    for seen in run_ranks(_local_clip_worker, 2):
+        assert seen  # local steps were taken
+        for norm, expected, scaled in seen:
+            assert norm == pytest.approx(expected, rel=1e-6) and norm > 0.5
+            assert all(scaled)
