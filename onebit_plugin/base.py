@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from onebit_plugin import checkpoint, rank_checks
+from onebit_plugin import checkpoint, local_steps, rank_checks
 from onebit_plugin.allreduce import ExactAllreduce, OneBitAllreduce, all_finite, new_group
 from onebit_plugin.allreduce import group_size_and_rank as _size_and_rank
 from onebit_plugin.byte_counts import ByteCounts
@@ -278,7 +278,7 @@ class OneBitOptimizer(Optimizer):
         taken since the last sync (as the next sync would, without a step of its own). A
         collective: call it on every rank. Nothing happens at a common point."""
         if self.between_syncs:
-            self._sync(self._corrections(self._steps.tolist()))
+            local_steps.sync_ranks(self, local_steps.corrections(self, self._steps.tolist()))
 
     @property
     def _rank(self) -> int:
@@ -394,7 +394,7 @@ class OneBitOptimizer(Optimizer):
             if kind == MOMENTUM:
                 return self._compression_step()
             if kind != EXACT:
-                return self._local_step(sync=kind == SYNC)
+                return local_steps.take_step(self, sync=kind == SYNC)
         self._exact_gradients(trainable)
         if self.switch_step is not None:
             return self._refresh_step()
@@ -606,61 +606,6 @@ class OneBitOptimizer(Optimizer):
                              self._masks, self.config.mask_zero_variance)
         self._frozen_update(self._count_step(), averaged=False)
 
-    def _local_step(self, sync: bool) -> None:
-        """A step on this rank's own gradients, sending nothing (``onebit_plugin.local_steps``);
-        with ``sync``, then the average of every rank's update since the last sync, after
-        which every rank holds the same parameters and momenta."""
-        units = self.units
-        if self.local_steps is None:  # the first local step: the ranks are on one point now
-            self.local_steps = LocalSteps(units, self._fp32_of, self.param_groups)
-        trainable = self._trainable()
-        grads = {p: p.grad for p in trainable}
-        counts = self._count_step()  # every rank counts the step: counts stay the same
-        if all_finite([g for g in grads.values() if g is not None]):
-            self._local_streak = 0
-            LocalSteps.fold_(units, grads)
-            self._frozen_update(counts, averaged=False)
-        else:
-            self._skip_locally()
-        self.local_steps.advance(self.param_groups)
-        # What DDP with Adam would have sent for this step, for compression_ratio.
-        self.counts.add_exact(0, ring_bytes(4 * sum(p.numel() for p in trainable),
-                                            self.world_size) if not sync else 0)
-        if sync:
-            self._sync(self._corrections(counts))
-
-    def _corrections(self, counts: list[float]) -> dict:
-        """m's bias correction ``1 - b1**t`` of every unit's parameter at its count."""
-        return {p: 1 - unit.hypers[p]["betas"][0] ** counts[self._step_index[p]]
-                for unit in self.units for p in unit.params}
-
-    def _sync(self, corrections: dict) -> None:
-        local = self.local_steps
-        self.syncs += 1
-        ok = local.send_(self.units, self.communicator, self.param_groups, self._fp32_of,
-                         corrections)
-        if not ok:
-            log.warning("onebit: the sync at step %d was not finite on some rank: every rank "
-                        "goes back to the last sync's point (decayed), the %d local steps "
-                        "since are dropped and the momentum restarts from zero",
-                        self.global_step, local.steps)
-            self.skipped_steps += 1
-        local.land_(self.units, self.param_groups, self._land, corrections,
-                    ok=ok, bounded=self.config.bound_update)
-
-    def _skip_locally(self) -> None:
-        """This rank's gradient was inf or NaN in a local step: this rank does not move (the
-        others, which send nothing now, do not know); an error after ``max_skipped_steps``
-        in a row."""
-        self._local_streak += 1
-        log.warning("onebit: local step %d skipped on rank %d: its gradient was inf or NaN "
-                    "(%d in a row)", self.global_step, self._rank, self._local_streak)
-        if self._local_streak >= self.config.max_skipped_steps:
-            raise RuntimeError(
-                f"onebit: {self._local_streak} local steps in a row were skipped on rank "
-                f"{self._rank} for inf/NaN gradients: lower the learning rate, clip gradients "
-                "or check the data; max_skipped_steps sets this limit")
-
     def _fp32_of(self, p: torch.Tensor) -> torch.Tensor:
         """``p``'s fp32 values: its master copy, itself, or an fp32 copy."""
         master = self._master(p, self.state[p]) if self.config.master_weights else None
@@ -713,35 +658,6 @@ class OneBitOptimizer(Optimizer):
         self.local_steps = None  # rebuilt with the units, from a checkpoint's if it has one
         self.handoff.reset()
         self._settings_checked = False
-
-    def _local_state(self) -> dict | None:
-        """Between syncs, what this rank needs to go on (``checkpoint.onebit_state``): the
-        local-step state, and this rank's own parameters and momenta, which differ from the
-        other ranks' (Lightning and Fabric save rank 0's weights only). None at a sync point:
-        every rank is on the same point, which the model's weights hold."""
-        local = self.local_steps
-        if local is None or local.steps == 0:
-            return None
-        trainable = self._trainable()
-        return {**local.state_dict(self.units),
-                "params": [self._fp32_of(p).clone() for p in trainable],
-                "momenta": [self.state[p]["exp_avg"].clone() for p in trainable]}
-
-    def _load_local_state(self, saved: dict | None) -> None:
-        """This rank's parameters and momenta between syncs, now (after the model's weights);
-        the rest when the units are built."""
-        self._saved["local_steps"] = saved
-        if saved is None:
-            return
-        trainable = self._trainable()
-        if len(saved["params"]) != len(trainable):
-            raise ValueError(f"the checkpoint's local steps hold {len(saved['params'])} "
-                             f"parameters, this optimizer has {len(trainable)} trainable")
-        with torch.no_grad():
-            for p, values, momentum in zip(trainable, saved["params"], saved["momenta"],
-                                           strict=True):
-                self._land(p, values.to(p.device))
-                self.state[p]["exp_avg"].copy_(momentum)
 
     def __getstate__(self) -> dict:
         # torch's Optimizer pickles only defaults, state and param_groups; keep ours too, less

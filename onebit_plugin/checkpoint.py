@@ -10,6 +10,7 @@ import logging
 
 import torch
 
+from onebit_plugin import local_steps
 from onebit_plugin.allreduce import group_size_and_rank
 
 __all__ = ["load_onebit_state", "load_state", "load_unit_errors", "onebit_state"]
@@ -30,7 +31,7 @@ def onebit_state(opt) -> dict:
             "rank": group_size_and_rank(opt.process_group)[1],
             "unit_cap_bytes": opt._unit_cap_bytes, **opt.counts.state_dict(),
             "clipping": opt.handoff.sketch is not None, "units": units,
-            "local_steps": opt._local_state(), "syncs": opt.syncs}
+            "local_steps": local_steps.saved_state(opt), "syncs": opt.syncs}
 
 
 def load_state(opt, state_dict: dict, torch_load) -> None:
@@ -101,7 +102,7 @@ def load_onebit_state(opt, onebit: dict) -> None:
         opt._saved.update(units=onebit["units"], unit_cap_bytes=onebit["unit_cap_bytes"],
                           rank=onebit.get("rank"))  # absent in states saved before this field
     opt._forget_layout()
-    opt._load_local_state(onebit.get("local_steps"))
+    local_steps.load_saved_state(opt, onebit.get("local_steps"))
 
 
 def load_unit_errors(opt, saved: list[dict]) -> None:

@@ -37,9 +37,12 @@ import logging
 
 import torch
 
+from onebit_plugin.allreduce import all_finite
 from onebit_plugin.deferred import fold_gradient_
+from onebit_plugin.warmup import ring_bytes
 
-__all__ = ["LocalSteps"]
+__all__ = ["LocalSteps", "corrections", "load_saved_state", "saved_state", "sync_ranks",
+           "take_step"]
 
 log = logging.getLogger("onebit_plugin")
 
@@ -163,3 +166,95 @@ class LocalSteps:
         self.decay, self.lr_sum = list(map(float, state["decay"])), list(
             map(float, state["lr_sum"]))
         self.steps = int(state["steps"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The base's local steps: friend functions on OneBitOptimizer's privates (as checkpoint.py's),
+# which step() calls when the policy says "local" or "sync".
+def take_step(opt, sync: bool) -> None:
+    """A step on this rank's own gradients, sending nothing; with ``sync``, then the average
+    of every rank's update since the last sync, after which every rank holds the same
+    parameters and momenta."""
+    units = opt.units
+    if opt.local_steps is None:  # the first local step: the ranks are on one point now
+        opt.local_steps = LocalSteps(units, opt._fp32_of, opt.param_groups)
+    trainable = opt._trainable()
+    grads = {p: p.grad for p in trainable}
+    counts = opt._count_step()  # every rank counts the step: counts stay the same
+    if all_finite([g for g in grads.values() if g is not None]):
+        opt._local_streak = 0
+        LocalSteps.fold_(units, grads)
+        opt._frozen_update(counts, averaged=False)
+    else:
+        _skip_locally(opt)
+    opt.local_steps.advance(opt.param_groups)
+    # What DDP with Adam would have sent for this step, for compression_ratio.
+    opt.counts.add_exact(0, ring_bytes(4 * sum(p.numel() for p in trainable),
+                                       opt.world_size) if not sync else 0)
+    if sync:
+        sync_ranks(opt, corrections(opt, counts))
+
+
+def corrections(opt, counts: list[float]) -> dict:
+    """m's bias correction ``1 - b1**t`` of every unit's parameter at its count."""
+    return {p: 1 - unit.hypers[p]["betas"][0] ** counts[opt._step_index[p]]
+            for unit in opt.units for p in unit.params}
+
+
+def sync_ranks(opt, corrections: dict) -> None:
+    """Every rank sends what it moved since the last sync, and lands on the common point."""
+    local = opt.local_steps
+    opt.syncs += 1
+    ok = local.send_(opt.units, opt.communicator, opt.param_groups, opt._fp32_of, corrections)
+    if not ok:
+        log.warning("onebit: the sync at step %d was not finite on some rank: every rank "
+                    "goes back to the last sync's point (decayed), the %d local steps "
+                    "since are dropped and the momentum restarts from zero",
+                    opt.global_step, local.steps)
+        opt.skipped_steps += 1
+    local.land_(opt.units, opt.param_groups, opt._land, corrections, ok=ok,
+                bounded=opt.config.bound_update)
+
+
+def _skip_locally(opt) -> None:
+    """This rank's gradient was inf or NaN in a local step: this rank does not move (the others,
+    which send nothing now, do not know); an error after ``max_skipped_steps`` in a row."""
+    opt._local_streak += 1
+    log.warning("onebit: local step %d skipped on rank %d: its gradient was inf or NaN "
+                "(%d in a row)", opt.global_step, opt._rank, opt._local_streak)
+    if opt._local_streak >= opt.config.max_skipped_steps:
+        raise RuntimeError(
+            f"onebit: {opt._local_streak} local steps in a row were skipped on rank "
+            f"{opt._rank} for inf/NaN gradients: lower the learning rate, clip gradients "
+            "or check the data; max_skipped_steps sets this limit")
+
+
+def saved_state(opt) -> dict | None:
+    """Between syncs, what this rank needs to go on (``checkpoint.onebit_state``): the
+    local-step state, and this rank's own parameters and momenta, which differ from the other
+    ranks' (Lightning and Fabric save rank 0's weights only). None at a sync point: every rank
+    is on the same point, which the model's weights hold."""
+    local = opt.local_steps
+    if local is None or local.steps == 0:
+        return None
+    trainable = opt._trainable()
+    return {**local.state_dict(opt.units),
+            "params": [opt._fp32_of(p).clone() for p in trainable],
+            "momenta": [opt.state[p]["exp_avg"].clone() for p in trainable]}
+
+
+def load_saved_state(opt, saved: dict | None) -> None:
+    """This rank's parameters and momenta between syncs, now (after the model's weights); the
+    rest when the units are built."""
+    opt._saved["local_steps"] = saved
+    if saved is None:
+        return
+    trainable = opt._trainable()
+    if len(saved["params"]) != len(trainable):
+        raise ValueError(f"the checkpoint's local steps hold {len(saved['params'])} "
+                         f"parameters, this optimizer has {len(trainable)} trainable")
+    with torch.no_grad():
+        for p, values, momentum in zip(trainable, saved["params"], saved["momenta"],
+                                       strict=True):
+            opt._land(p, values.to(p.device))
+            opt.state[p]["exp_avg"].copy_(momentum)

@@ -317,7 +317,7 @@ MUTANTS = [
        "                write_back(p, x)\n", "",
        "tests/test_zero_one.py::test_ranks_differ_between_syncs_and_are_bit_identical_after_each"),
     _m("zero-one-own-params-not-saved", "row: 0/1 Adam resumes between syncs", CKPT,
-       '"local_steps": opt._local_state()', '"local_steps": None',
+       '"local_steps": local_steps.saved_state(opt)', '"local_steps": None',
        "tests/test_zero_one.py::test_resume_is_bitwise_in_every_phase",
        "tests/test_zero_one.py::"
        "test_between_syncs_each_rank_resumes_its_own_parameters_from_rank_0s_checkpoint"),
