@@ -358,6 +358,8 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(WORKLOADS), figsize=(5 * len(WORKLOADS), 4))
+    # A colour per variant of this run (the full list is longer than the palette).
+    present = [v for v in ALL_VARIANTS if any(r["variant"] == v for r in rows)]
     for ax, workload in zip(axes, WORKLOADS, strict=True):
         for variant in ALL_VARIANTS:
             mine = [r for r in rows if r["workload"] == workload and r["variant"] == variant]
@@ -371,7 +373,7 @@ def plot(rows: list[dict], path: Path) -> None:
             mb = [statistics.mean(r["curve"][i][1] for r in mine) / 2**20 for i in range(steps)]
             loss = [statistics.mean(r["curve"][i][2] for r in mine) for i in range(steps)]
             ax.plot(mb, loss, marker="o", label=variant,
-                    color=f"C{ALL_VARIANTS.index(variant) % 10}",
+                    color=f"C{present.index(variant) % 10}",
                     linestyle="--" if "clip" in variant else "-")
         ax.set_xscale("log")
         ax.set_xlabel("MiB written per rank (/proc/self/io)")
