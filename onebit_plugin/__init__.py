@@ -8,13 +8,7 @@ error feedback on the worker and the server side, about 1/32 of an fp32 allreduc
 after a long warm-up, then takes local steps between 1-bit syncs.
 """
 
-from onebit_plugin.allreduce import (
-    CommunicationError,
-    CompressedAllreduce,
-    ExactAllreduce,
-    OneBitAllreduce,
-    compressed_allreduce,
-)
+from onebit_plugin.allreduce import CommunicationError, ExactAllreduce, OneBitAllreduce
 from onebit_plugin.base import OneBitOptimizer
 from onebit_plugin.compression import ChunkLayout
 from onebit_plugin.config import OneBitConfig, settings_from_env
@@ -24,6 +18,7 @@ from onebit_plugin.lockstep import LockstepError, check_lockstep
 from onebit_plugin.momentum import MomentumUnit
 from onebit_plugin.optimizer import OneBitAdam
 from onebit_plugin.policy import AdamPolicy, ExactMomentum, Exchange, OneBitMomentum, Policy
+from onebit_plugin.standalone import CompressedAllreduce, compressed_allreduce
 from onebit_plugin.update import adam_update_, frozen_denominator, frozen_update_
 from onebit_plugin.zero_one import ZeroOneAdam, ZeroOnePolicy
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from onebit_plugin import checkpoint, local_steps, rank_checks
+from onebit_plugin import checkpoint, compression_stage, local_steps, rank_checks
 from onebit_plugin.allreduce import ExactAllreduce, OneBitAllreduce, all_finite, new_group
 from onebit_plugin.allreduce import group_size_and_rank as _size_and_rank
 from onebit_plugin.byte_counts import ByteCounts
@@ -44,12 +44,9 @@ from onebit_plugin.local_steps import LocalSteps
 from onebit_plugin.masks import negligible_root
 from onebit_plugin.momentum import (
     MomentumUnit,
-    build_units,
     init_states_in_unit_order,
     new_state,
     partition,
-    refresh_denominators,
-    update_rows,
 )
 from onebit_plugin.norm_sketch import NormSketch, sketch_width
 from onebit_plugin.policy import EXACT, LOCAL, MOMENTUM, SYNC, Policy
@@ -112,7 +109,7 @@ class OneBitOptimizer(Optimizer):
         self._unit_of: dict[torch.Tensor, MomentumUnit] = {}
         self._steps: torch.Tensor | None = None  # the units' step counters, one tensor
         self._step_index: dict[torch.Tensor, int] = {}  # param: its place in _steps
-        self._rows: tuple | None = None  # per group, what the update reads (_update_rows)
+        self._rows: tuple | None = None  # per group, what the update reads (update_rows)
         self._saved: dict = {}  # the units' errors from a checkpoint, until they are built
         self.handoff = HandOff()  # what backward leaves for step(), reset once per step
         self.local_steps: LocalSteps | None = None  # between syncs (a member with local steps)
@@ -180,7 +177,7 @@ class OneBitOptimizer(Optimizer):
     def units(self) -> list[MomentumUnit]:
         """The momentum units (built at the first use in the compression stage; empty before)."""
         if self._units is None and self.switch_step is not None:
-            self._build_units()
+            compression_stage.build_units(self)
         return self._units or []
 
     def unit_of(self, p: torch.Tensor) -> MomentumUnit | None:
@@ -387,17 +384,17 @@ class OneBitOptimizer(Optimizer):
                                     self.switch_step)
         self.global_step += 1
         if not self._settings_checked:
-            self._check_ranks_agree(trainable)
+            rank_checks.check_ranks_agree(self, trainable)
         self._settings_checked = True
         if self.switch_step is not None:
             kind = self._exchange_at(self.global_step)
             if kind == MOMENTUM:
-                return self._compression_step()
+                return compression_stage.momentum_step(self)
             if kind != EXACT:
                 return local_steps.take_step(self, sync=kind == SYNC)
         self._exact_gradients(trainable)
         if self.switch_step is not None:
-            return self._refresh_step()
+            return compression_stage.refresh_step(self)
         self._warmup_step()
         if self.policy.stage_changes(self.global_step - self.skipped_steps,  # applied steps
                                      self._freeze_due):
@@ -410,29 +407,6 @@ class OneBitOptimizer(Optimizer):
             self._average_gradients()
         if self._hook_params is not None:
             rank_checks.check_reduced(self.param_groups, trainable, self.handoff.reduced)
-
-    def _check_ranks_agree(self, params: list[torch.Tensor]) -> None:
-        rank_checks.check_launched()
-        if self.world_size == 1:
-            return
-        settings = {
-            **self.config.agreement(self.auto_freeze.total_steps if self.auto_freeze else None),
-            **self.policy.agreement(self.run_length.total),
-            "bucket bytes": self._unit_cap_bytes, "global_step": self.global_step,
-            "trainable parameters": len(params),
-            "trainable values": sum(p.numel() for p in params),
-        }
-        grads = rank_checks.grad_fingerprint(
-            params, self._hook_params is not None or self.handoff.grads_averaged)
-        between = self._saved.get("local_steps") or (
-            self.local_steps is not None and self.local_steps.steps and
-            {"anchors": list(self.local_steps.anchor.values())})
-        same = rank_checks.check_settings_agree(
-            settings, self.param_groups, params, grads, self.world_size, self.comm_group,
-            self.comm_timeout, self.global_step, between["anchors"] if between else None)
-        if same and not self.averaged_elsewhere:
-            self.averaged_elsewhere = True
-            rank_checks.say_averaged_elsewhere(self.world_size)
 
     def _average_gradients(self) -> None:
         params = self._trainable()
@@ -516,96 +490,6 @@ class OneBitOptimizer(Optimizer):
         return (f"onebit: Adam variance frozen after step {self.switch_step}; momentum is {how} "
                 f"from step {self.switch_step + 1} on")
 
-    def _build_units(self) -> None:
-        """Move every momentum into its unit (``state['exp_avg']`` become views) and load the
-        units' saved errors, if a checkpoint left some."""
-        saved = self._saved.pop("units", None)
-        if saved is not None:
-            self._unit_cap_bytes = self._saved.pop("unit_cap_bytes")
-        # Warm-up's gradient buffer (without DDP) is resident and no longer used: the units'
-        # fold buffers are cut from it rather than from new memory (MomentumUnit's note).
-        spare, self._grad_flat = self._grad_flat, None
-        self._units = build_units(
-            partition(self._trainable(), self._unit_cap_bytes), self.state,
-            {p: g for g in self.param_groups for p in g["params"]}, self._masks,
-            self.config.mask_zero_variance, self.communicator, spare)
-        self._unit_of = {p: u for u in self._units for p in u.params}
-        # The step counters become views of one tensor: one add and one read a step for all of
-        # them (a foreach add, a stack and a read of some 100 scalar tensors cost ~0.7 ms).
-        trainable = self._trainable()
-        self._steps = torch.tensor([float(self.state[p]["step"]) for p in trainable],
-                                   dtype=torch.float32)
-        for p, count in zip(trainable, self._steps.unbind(), strict=True):
-            self.state[p]["step"] = count
-        self._step_index = {p: i for i, p in enumerate(trainable)}
-        self._rows = None
-        if saved is not None:
-            checkpoint.load_unit_errors(self, saved)
-        local = self._saved.pop("local_steps", None)
-        if local is not None:
-            self.local_steps = LocalSteps(self._units, self._fp32_of, self.param_groups)
-            self.local_steps.load_state_dict(local, self._units)
-
-    def _compression_step(self) -> None:
-        """Every unit the DDP hook did not average during backward is folded and averaged here,
-        now; the step is skipped on every rank if any unit came back non-finite."""
-        handoff = self.handoff
-        averaged = handoff.averaged
-        ok = True
-        for unit in self.units:
-            if unit in averaged:
-                ok &= averaged[unit]
-                continue
-            for p in unit.params:
-                if p in handoff.handed and handoff.changed(p):
-                    handoff.say_once("local")
-            # Left encoded where the CPU update pass can decode it as it reads it.
-            ok &= unit.reduce_(self.communicator, {p: p.grad for p in unit.params},
-                               decode=False)
-        if not ok:
-            return self._skip()
-        self._skip_streak = 0
-        handoff.settle(self.units)
-        self._frozen_update(self._count_step(), averaged=True)
-
-    def _count_step(self) -> list[float]:
-        """Advance the trainable parameters' step counters; every counter, as numbers."""
-        counting = self._update_rows()[1]
-        if counting is None:
-            self._steps.add_(1.0)
-        else:  # some parameters of the units are not trainable now: their counts stay
-            self._steps.index_add_(0, counting, torch.ones(counting.numel()))
-        return self._steps.tolist()
-
-    def _frozen_update(self, counts: list[float], *, averaged: bool) -> None:
-        """The policy's compression-stage update of every group over the units' denominators,
-        from the units' averages (``averaged``) or from the momenta as they are."""
-        for group, params, index, units, exp_avgs, denoms in self._update_rows()[0]:
-            self.policy.compression_update_(
-                group, params, exp_avgs, denoms, [counts[i] for i in index],
-                bounded=self.config.bound_update,
-                masters=([self._master(p, self.state[p]) for p in params]
-                         if self.config.master_weights else None),
-                averaged=([u.averaged(p) for u, p in zip(units, params, strict=True)]
-                          if averaged else None))
-
-    def _refresh_step(self) -> None:
-        """A full-precision step of the compression stage (a member's variance refresh, on
-        gradients averaged exactly): momenta and variances from the averaged gradients, the
-        units' denominators and masks from the variances, then the frozen-variance update."""
-        trainable = self._trainable()
-        if not all_finite([p.grad for p in trainable if p.grad is not None]):
-            return self._skip()  # averaged: the same decision on every rank
-        self._skip_streak = 0
-        for group, params, _, _, exp_avgs, _ in self._update_rows()[0]:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            self.policy.refresh_moments_(group, params, grads, [self.state[p] for p in params],
-                                         exp_avgs)
-        refresh_denominators(self.units, self.state,
-                             {p: g for g in self.param_groups for p in g["params"]},
-                             self._masks, self.config.mask_zero_variance)
-        self._frozen_update(self._count_step(), averaged=False)
-
     def _fp32_of(self, p: torch.Tensor) -> torch.Tensor:
         """``p``'s fp32 values: its master copy, itself, or an fp32 copy."""
         master = self._master(p, self.state[p]) if self.config.master_weights else None
@@ -617,15 +501,6 @@ class OneBitOptimizer(Optimizer):
         if master is not None:
             master.copy_(x)
         p.copy_(x)
-
-    def _update_rows(self) -> tuple[list, torch.Tensor | None]:
-        """``momentum.update_rows``, made again when the trainable parameters change (one of
-        them frozen since, say)."""
-        trainable = tuple(map(id, self._trainable()))
-        if self._rows is None or self._rows[0] != trainable:
-            self._rows = (trainable, *update_rows(self.param_groups, self._unit_of,
-                                                  self._step_index, self._steps.numel()))
-        return self._rows[1:]
 
     # ---------------------------------------------------------------------------- state dict
     def state_dict(self) -> dict:

@@ -37,6 +37,7 @@ import logging
 
 import torch
 
+from onebit_plugin import compression_stage
 from onebit_plugin.allreduce import all_finite
 from onebit_plugin.deferred import fold_gradient_
 from onebit_plugin.warmup import ring_bytes
@@ -180,11 +181,11 @@ def take_step(opt, sync: bool) -> None:
         opt.local_steps = LocalSteps(units, opt._fp32_of, opt.param_groups)
     trainable = opt._trainable()
     grads = {p: p.grad for p in trainable}
-    counts = opt._count_step()  # every rank counts the step: counts stay the same
+    counts = compression_stage.count_step(opt)  # every rank counts it: the counts agree
     if all_finite([g for g in grads.values() if g is not None]):
         opt._local_streak = 0
         LocalSteps.fold_(units, grads)
-        opt._frozen_update(counts, averaged=False)
+        compression_stage.frozen_update(opt, counts, averaged=False)
     else:
         _skip_locally(opt)
     opt.local_steps.advance(opt.param_groups)

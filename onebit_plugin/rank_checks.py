@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from onebit_plugin.allreduce import wait_collectives
 
-__all__ = ["check_reduced", "check_settings_agree", "check_trainable", "grad_fingerprint",
-           "name_params", "reject_sharded"]
+__all__ = ["check_ranks_agree", "check_reduced", "check_settings_agree", "check_trainable",
+           "grad_fingerprint", "name_params", "reject_sharded"]
 
 log = logging.getLogger("onebit_plugin")
 
@@ -211,3 +211,30 @@ def reject_sharded(params: list[torch.Tensor]) -> None:
         if kind is not None:
             raise ValueError(f"OneBitAdam got {kind} parameters; it supports unsharded data "
                              f"parallelism only: {SUPPORTED_SETUPS}")
+
+
+def check_ranks_agree(opt, params: list[torch.Tensor]) -> None:
+    """The first step's check (and the first after a load) of ``opt``, a member of the family
+    (a friend function on its privates, as ``onebit_plugin.checkpoint``'s): every rank runs the
+    same settings and holds the same parameters (between syncs of local steps, where those
+    differ by design, the same sync point); said once when the gradients were already the same
+    everywhere (something else averaged them)."""
+    check_launched()
+    if opt.world_size == 1:
+        return
+    settings = {
+        **opt.config.agreement(opt.auto_freeze.total_steps if opt.auto_freeze else None),
+        **opt.policy.agreement(opt.run_length.total),
+        "bucket bytes": opt._unit_cap_bytes, "global_step": opt.global_step,
+        "trainable parameters": len(params),
+        "trainable values": sum(p.numel() for p in params),
+    }
+    grads = grad_fingerprint(params, opt._hook_params is not None or opt.handoff.grads_averaged)
+    saved = opt._saved.get("local_steps")  # resumed between syncs, the units not built yet
+    sync_point = saved["anchors"] if saved else (
+        list(opt.local_steps.anchor.values()) if opt.between_syncs else None)
+    same = check_settings_agree(settings, opt.param_groups, params, grads, opt.world_size,
+                                opt.comm_group, opt.comm_timeout, opt.global_step, sync_point)
+    if same and not opt.averaged_elsewhere:
+        opt.averaged_elsewhere = True
+        say_averaged_elsewhere(opt.world_size)

@@ -283,8 +283,8 @@ MUTANTS = [
        "        if self.onebit_hook_state is not None or not self._onebit_models \\\n",
        "        if True or self.onebit_hook_state is not None or not self._onebit_models \\\n",
        "tests/test_accelerate.py::test_unmodified_script_under_onebit_run[joint]"),
-    _m("averaged-elsewhere-unsaid", "row: never a silent full allreduce", BASE,
-       "        if same and not self.averaged_elsewhere:",
+    _m("averaged-elsewhere-unsaid", "row: never a silent full allreduce", CHECKS,
+       "    if same and not opt.averaged_elsewhere:",
        "        if False:",
        "tests/test_ddp_hook.py::"
        "test_gradients_averaged_before_step_are_said_once_and_no_ratio_is_reported"
@@ -301,9 +301,10 @@ MUTANTS = [
        '            s["frozen_step"] += 1.0\n', "            pass\n",
        "tests/test_zero_one.py::"
        "test_phase_a_in_one_process_is_adam_whose_variance_moves_only_on_refresh_steps"),
-    _m("zero-one-denominators-not-refreshed", "row: 0/1 Adam's phase A", BASE,
-       "        refresh_denominators(self.units, self.state,",
-       "        (lambda *a: None)(self.units, self.state,",
+    _m("zero-one-denominators-not-refreshed", "row: 0/1 Adam's phase A",
+       "onebit_plugin/compression_stage.py",
+       "    refresh_denominators(opt.units, opt.state,",
+       "    (lambda *a: None)(opt.units, opt.state,",
        "tests/test_zero_one.py::"
        "test_phase_a_in_one_process_is_adam_whose_variance_moves_only_on_refresh_steps"),
     _m("zero-one-hook-sends-in-local-steps", "row: a local step sends nothing", HOOK,

@@ -1,0 +1,124 @@
+"""The compression stage on the base: its momentum units (built at their first use, with a
+checkpoint's errors), a step that averages the momentum units, a step that refreshes the
+variance on exactly averaged gradients, and the frozen-variance update both share with the
+local steps (``onebit_plugin.local_steps``). Friend functions on ``OneBitOptimizer``'s
+privates, as ``onebit_plugin.checkpoint``'s; ``step()`` calls them as the policy says
+(``Policy.exchange_at``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from onebit_plugin import checkpoint, local_steps
+from onebit_plugin.allreduce import all_finite
+from onebit_plugin.momentum import build_units as build
+from onebit_plugin.momentum import partition, refresh_denominators
+from onebit_plugin.momentum import update_rows as rows_of
+
+__all__ = ["build_units", "count_step", "frozen_update", "momentum_step", "refresh_step",
+           "update_rows"]
+
+
+def build_units(opt) -> None:
+    """Move every momentum into its unit (``state['exp_avg']`` become views) and load the
+    units' saved errors, and a checkpoint's local-step state, if it left some."""
+    saved = opt._saved.pop("units", None)
+    if saved is not None:
+        opt._unit_cap_bytes = opt._saved.pop("unit_cap_bytes")
+    # Warm-up's gradient buffer (without DDP) is resident and no longer used: the units'
+    # fold buffers are cut from it rather than from new memory (MomentumUnit's note).
+    spare, opt._grad_flat = opt._grad_flat, None
+    opt._units = build(
+        partition(opt._trainable(), opt._unit_cap_bytes), opt.state,
+        {p: g for g in opt.param_groups for p in g["params"]}, opt._masks,
+        opt.config.mask_zero_variance, opt.communicator, spare)
+    opt._unit_of = {p: u for u in opt._units for p in u.params}
+    # The step counters become views of one tensor: one add and one read a step for all of
+    # them (a foreach add, a stack and a read of some 100 scalar tensors cost ~0.7 ms).
+    trainable = opt._trainable()
+    opt._steps = torch.tensor([float(opt.state[p]["step"]) for p in trainable],
+                              dtype=torch.float32)
+    for p, count in zip(trainable, opt._steps.unbind(), strict=True):
+        opt.state[p]["step"] = count
+    opt._step_index = {p: i for i, p in enumerate(trainable)}
+    opt._rows = None
+    if saved is not None:
+        checkpoint.load_unit_errors(opt, saved)
+    local = opt._saved.pop("local_steps", None)
+    if local is not None:
+        opt.local_steps = local_steps.LocalSteps(opt._units, opt._fp32_of, opt.param_groups)
+        opt.local_steps.load_state_dict(local, opt._units)
+
+
+def momentum_step(opt) -> None:
+    """Every unit the DDP hook did not average during backward is folded and averaged here,
+    now; the step is skipped on every rank if any unit came back non-finite."""
+    handoff = opt.handoff
+    averaged = handoff.averaged
+    ok = True
+    for unit in opt.units:
+        if unit in averaged:
+            ok &= averaged[unit]
+            continue
+        for p in unit.params:
+            if p in handoff.handed and handoff.changed(p):
+                handoff.say_once("local")
+        # Left encoded where the CPU update pass can decode it as it reads it.
+        ok &= unit.reduce_(opt.communicator, {p: p.grad for p in unit.params}, decode=False)
+    if not ok:
+        return opt._skip()
+    opt._skip_streak = 0
+    handoff.settle(opt.units)
+    frozen_update(opt, count_step(opt), averaged=True)
+
+
+def refresh_step(opt) -> None:
+    """A full-precision step of the compression stage (a member's variance refresh, on
+    gradients averaged exactly): momenta and variances from the averaged gradients, the units'
+    denominators and masks from the variances, then the frozen-variance update."""
+    trainable = opt._trainable()
+    if not all_finite([p.grad for p in trainable if p.grad is not None]):
+        return opt._skip()  # averaged: the same decision on every rank
+    opt._skip_streak = 0
+    for group, params, _, _, exp_avgs, _ in update_rows(opt)[0]:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        opt.policy.refresh_moments_(group, params, grads, [opt.state[p] for p in params],
+                                    exp_avgs)
+    refresh_denominators(opt.units, opt.state,
+                         {p: g for g in opt.param_groups for p in g["params"]},
+                         opt._masks, opt.config.mask_zero_variance)
+    frozen_update(opt, count_step(opt), averaged=False)
+
+
+def count_step(opt) -> list[float]:
+    """Advance the trainable parameters' step counters; every counter, as numbers."""
+    counting = update_rows(opt)[1]
+    if counting is None:
+        opt._steps.add_(1.0)
+    else:  # some parameters of the units are not trainable now: their counts stay
+        opt._steps.index_add_(0, counting, torch.ones(counting.numel()))
+    return opt._steps.tolist()
+
+
+def frozen_update(opt, counts: list[float], *, averaged: bool) -> None:
+    """The policy's compression-stage update of every group over the units' denominators,
+    from the units' averages (``averaged``) or from the momenta as they are."""
+    for group, params, index, units, exp_avgs, denoms in update_rows(opt)[0]:
+        opt.policy.compression_update_(
+            group, params, exp_avgs, denoms, [counts[i] for i in index],
+            bounded=opt.config.bound_update,
+            masters=([opt._master(p, opt.state[p]) for p in params]
+                     if opt.config.master_weights else None),
+            averaged=([u.averaged(p) for u, p in zip(units, params, strict=True)]
+                      if averaged else None))
+
+
+def update_rows(opt) -> tuple[list, torch.Tensor | None]:
+    """``momentum.update_rows``, made again when the trainable parameters change (one of them
+    frozen since, say)."""
+    trainable = tuple(map(id, opt._trainable()))
+    if opt._rows is None or opt._rows[0] != trainable:
+        opt._rows = (trainable, *rows_of(opt.param_groups, opt._unit_of, opt._step_index,
+                                         opt._steps.numel()))
+    return opt._rows[1:]
