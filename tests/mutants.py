@@ -285,7 +285,7 @@ MUTANTS = [
        "tests/test_accelerate.py::test_unmodified_script_under_onebit_run[joint]"),
     _m("averaged-elsewhere-unsaid", "row: never a silent full allreduce", CHECKS,
        "    if same and not opt.averaged_elsewhere:",
-       "        if False:",
+       "    if False:",
        "tests/test_ddp_hook.py::"
        "test_gradients_averaged_before_step_are_said_once_and_no_ratio_is_reported"
        "[ddp-without-hook]"),
