@@ -80,12 +80,16 @@ def refresh_step(opt) -> None:
     trainable = opt._trainable()
     if not all_finite([p.grad for p in trainable if p.grad is not None]):
         return opt._skip()  # averaged: the same decision on every rank
+    # Built here when this is the stage's first step since the freeze or a resume (with
+    # var_update_scaler=1 the step after the freeze refreshes; a phase-A checkpoint may be
+    # followed by a refresh).
+    units = opt.units
     opt._skip_streak = 0
     for group, params, _, _, exp_avgs, _ in update_rows(opt)[0]:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         opt.policy.refresh_moments_(group, params, grads, [opt.state[p] for p in params],
                                     exp_avgs)
-    refresh_denominators(opt.units, opt.state,
+    refresh_denominators(units, opt.state,
                          {p: g for g in opt.param_groups for p in g["params"]},
                          opt._masks, opt.config.mask_zero_variance)
     frozen_update(opt, count_step(opt), averaged=False)

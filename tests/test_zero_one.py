@@ -294,7 +294,9 @@ def test_a_local_step_sends_nothing_and_a_sync_sends_one_compressed_allreduce_pe
     assert {n for k, n in after_first if k == "exact"} - {0}
 
 
-@pytest.mark.parametrize("save_at", [10, 13, 20, 22])  # phase A; B at a sync; B between syncs
+# Phase A before a 1-bit step and before a refresh (the units are built by either); phase B at
+# a sync and between syncs.
+@pytest.mark.parametrize("save_at", [10, 9, 13, 20, 22])
 def test_resume_is_bitwise_in_every_phase(tmp_path, save_at):
     ckpt = str(tmp_path / "ckpt")
     whole = run_ranks(functools.partial(_run, save_at=save_at, ckpt=ckpt), 2, 30)
