@@ -281,8 +281,8 @@ class _Communicator:
         communicator may leave the average encoded in ``plan``'s wire buffers (then
         ``plan.encoded``, and ``out`` is not written) where the CPU kernel can read it so
         (``MomentumUnit.averaged``)."""
-        if out is None:
-            out = tensor.out if isinstance(tensor, Fold) else tensor
+        if out is None and not isinstance(tensor, Fold):
+            out = tensor
         started, waited = time.perf_counter(), self.wait_seconds
         plan.encoded = False
         with self._lock:
@@ -294,10 +294,10 @@ class _Communicator:
         return ok
 
     def submit(self, tensor: torch.Tensor, plan: Plan, errors: dict,
-               out: torch.Tensor | None = None) -> torch.futures.Future:
+               out: torch.Tensor | None = None, decode: bool = True) -> torch.futures.Future:
         """:meth:`reduce_` on the group's background thread; the future's value is its bool."""
         event = None
-        data = tensor.out if isinstance(tensor, Fold) else tensor
+        data = tensor.exp_avg if isinstance(tensor, Fold) else tensor
         if data.is_cuda:  # recorded on the tensor's device's stream, not the current device's
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(data.device))
@@ -306,7 +306,7 @@ class _Communicator:
         def job():
             try:
                 if event is None:
-                    future.set_result(self.reduce_(tensor, plan, errors, out))
+                    future.set_result(self.reduce_(tensor, plan, errors, out, decode))
                     return
                 # The thread is bound to the tensor's GPU (else it would use, and open a context
                 # on, GPU 0); one side stream per communicator, after the producer's event.
@@ -315,7 +315,7 @@ class _Communicator:
                     self._stream = torch.cuda.Stream(device=data.device)
                 with torch.cuda.stream(self._stream):
                     self._stream.wait_event(event)
-                    ok = self.reduce_(tensor, plan, errors, out)
+                    ok = self.reduce_(tensor, plan, errors, out, decode)
                 self._stream.synchronize()
                 future.set_result(ok)
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
@@ -346,6 +346,7 @@ class ExactAllreduce(_Communicator):
     def _reduce(self, tensor, out, plan: Plan, errors, decode) -> bool:
         if isinstance(tensor, Fold):
             tensor = tensor.materialize()
+        out = tensor if out is None else out
         if out is not tensor:
             out.copy_(tensor)
         if self.world_size > 1:
@@ -418,10 +419,12 @@ class OneBitAllreduce(_Communicator):
         # Every rank holds the same server scales, so every rank takes the same decision.
         if not bool(torch.isfinite(w.all_scales).all()):
             return False
-        if not decode and out.dtype == torch.float32 and \
-                backend_for(w.all_packed, None, out) == "cpu":
+        # A Fold's out (fp32) is made only here, if at all: the CPU kernel folds on the fly.
+        if not decode and (out is None or out.dtype == torch.float32) and \
+                backend_for(w.all_packed, None, tensor.exp_avg if out is None else out) == "cpu":
             plan.encoded = True
             return True
+        out = tensor.out if out is None else out
         decompress(w.all_packed, w.all_scales, plan.mask, lay, out, w.scratch)
         return True
 

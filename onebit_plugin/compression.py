@@ -193,13 +193,30 @@ class CompressionBuffers:
     One set serves all three stages of a compressed allreduce: the worker pass and the final
     decode work on ``padded_numel`` values, the server pass decodes ``W * chunk``, the same
     number. The errors themselves are updated in place, so no copy of the input is made.
+
+    Each buffer is made at its first use: the CPU kernel needs none of them (about 6 bytes
+    per value that a unit would otherwise hold for nothing), the torch passes all.
     """
 
     def __init__(self, num_values: int, block: int, device: torch.device | str = "cpu"):
-        self.values = torch.empty(num_values, dtype=torch.float32, device=device)
-        self.bits = torch.empty(num_values, dtype=torch.bool, device=device)
-        self.packed64 = torch.empty(num_values // 8, dtype=torch.int64, device=device)
-        self.block_sums = torch.empty(num_values // block, dtype=torch.float32, device=device)
+        self.num_values, self.block, self.device = num_values, block, device
+
+    @functools.cached_property
+    def values(self) -> torch.Tensor:
+        return torch.empty(self.num_values, dtype=torch.float32, device=self.device)
+
+    @functools.cached_property
+    def bits(self) -> torch.Tensor:
+        return torch.empty(self.num_values, dtype=torch.bool, device=self.device)
+
+    @functools.cached_property
+    def packed64(self) -> torch.Tensor:
+        return torch.empty(self.num_values // 8, dtype=torch.int64, device=self.device)
+
+    @functools.cached_property
+    def block_sums(self) -> torch.Tensor:
+        return torch.empty(self.num_values // self.block, dtype=torch.float32,
+                           device=self.device)
 
 
 def block_sums_(terms: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -287,7 +304,7 @@ def worker_compress(
     """
     fold = None
     if isinstance(x, Fold):
-        chosen = backend_for(x.out, backend, x.out, x.exp_avg, error, packed, scales)
+        chosen = backend_for(x.exp_avg, backend, x.exp_avg, error, packed, scales)
         table = x.cpu_table() if chosen == "cpu" else None
         if table is None:
             x = x.materialize()
@@ -390,8 +407,8 @@ def _check_buffers(
 ) -> CompressionBuffers:
     if buf is None:
         return CompressionBuffers(size, block, device)
-    if buf.values.numel() < size:
+    if buf.num_values < size:
         raise ValueError(
-            f"CompressionBuffers hold {buf.values.numel()} values, the pass needs {size}"
+            f"CompressionBuffers hold {buf.num_values} values, the pass needs {size}"
         )
     return buf

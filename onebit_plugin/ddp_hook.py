@@ -217,7 +217,7 @@ def onebit_hook(
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for p, grad, unit in parts:
                 if unit not in deferred:  # DDP hands the bucket's views to step()
-                    grad.copy_(unit.view(p, unit.local))
+                    unit.average_into(p, grad)
         # After the copies above, which count as writes to the bucket's every view.
         if state.bucket_views:
             for p, grad, _ in parts:

@@ -13,6 +13,7 @@ update rule.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -47,9 +48,10 @@ class Encoded(NamedTuple):
     """One parameter's part of a compressed allreduce's average, still as the communicator left
     it: ``packed`` signs (bit i of byte k is value 8k+i), one fp32 scale per ``block`` values in
     ``scales``, the bool ``keep`` mask (False: the value is 0), for values ``offset`` on of the
-    layout, as many as ``fallback`` holds: the fp32 tensor (a slice of the unit's fold buffer)
-    it is decoded into where it cannot be read encoded. :func:`frozen_update_`'s CPU pass
-    decodes it as it reads it: the fp32 average is never written and read back. Made by
+    layout, as many as ``numel``; ``fallback`` makes the fp32 tensor (a slice of the unit's
+    fold buffer, made at its first use) it is decoded into where it cannot be read encoded.
+    :func:`frozen_update_`'s CPU pass decodes it as it reads it: the fp32 average is never
+    written and read back. Made by
     ``MomentumUnit.averaged``, only where the CPU kernel is built."""
 
     packed: torch.Tensor
@@ -57,12 +59,18 @@ class Encoded(NamedTuple):
     keep: torch.Tensor
     block: int
     offset: int
-    fallback: torch.Tensor
+    numel: int
+    fallback: Callable[[], torch.Tensor]
 
     def decoded(self) -> torch.Tensor:
-        """Decode into ``fallback`` and return it."""
-        cpu_kernel().decode_range(self, self.fallback)
-        return self.fallback
+        """Decode into ``fallback()`` and return it."""
+        out = self.fallback()
+        self.decode_into(out)
+        return out
+
+    def decode_into(self, out: torch.Tensor) -> None:
+        """Decode into ``out`` (fp32, contiguous, ``numel`` values, on the CPU)."""
+        cpu_kernel().decode_range(self, out)
 
 
 class Fold:
@@ -71,12 +79,20 @@ class Fold:
     ``out[offset:]`` from ``exp_avg[offset:]`` (``weight_decay`` the coupled one, or 0). The CPU
     kernel's worker pass folds on the fly as it compresses (``kernels/cpu_compress.c``: the fold
     is never written, and the pass before it that summed it for finiteness is gone); every other
-    path calls :meth:`materialize` and compresses ``out``, with the same bits."""
+    path calls :meth:`materialize` and compresses ``out``, with the same bits. ``out`` may be
+    given as a function that makes it, called at its first use: the CPU kernel's path, which
+    leaves the average encoded, never needs one (4 bytes per value)."""
 
-    __slots__ = ("out", "exp_avg", "parts")
+    __slots__ = ("_out", "exp_avg", "parts")
 
-    def __init__(self, out: torch.Tensor, exp_avg: torch.Tensor, parts: list[tuple]):
-        self.out, self.exp_avg, self.parts = out, exp_avg, parts
+    def __init__(self, out, exp_avg: torch.Tensor, parts: list[tuple]):
+        self._out, self.exp_avg, self.parts = out, exp_avg, parts
+
+    @property
+    def out(self) -> torch.Tensor:
+        if not isinstance(self._out, torch.Tensor):
+            self._out = self._out()
+        return self._out
 
     @torch.no_grad()  # also on the DDP hook's background thread, where grad mode is on
     def materialize(self) -> torch.Tensor:
@@ -104,7 +120,7 @@ class Fold:
             params.append(param.data_ptr() if weight_decay != 0 else 0)
             bf16.append(int(grad is not None and grad.dtype == torch.bfloat16))
             hypers += [beta1, 1 - beta1, weight_decay]
-        offsets.append(self.out.numel())
+        offsets.append(self.exp_avg.numel())
         return (torch.tensor(offsets, dtype=torch.int64), torch.tensor(grads, dtype=torch.int64),
                 torch.tensor(bf16, dtype=torch.int32), torch.tensor(params, dtype=torch.int64),
                 torch.tensor(hypers, dtype=torch.float64))

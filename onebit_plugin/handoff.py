@@ -103,7 +103,11 @@ class HandOff:
             # The new momentum is in the fold buffer, or still encoded (decoded by the update's
             # pass, which copies it over the old one; the fold buffer then serves the torch
             # passes as scratch). What reads it as a tensor first has it decoded.
-            if unit not in self.averaged and coef is None:
+            if coef is None and (unit not in self.averaged or not any(
+                    p.grad is not None and self.changed(p) for p in unit.params)):
+                # Averaged by the hook into bucket views nobody wrote since: p.grad holds
+                # exactly the average, and the update decodes it from the wire (or reads the
+                # fold buffer) as it would have.
                 continue
             unit.decode_()
             for p in unit.params:

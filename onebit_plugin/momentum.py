@@ -12,6 +12,8 @@ uninterrupted one (docs/design.md, "Momentum units").
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from onebit_plugin.compression import decompress
@@ -66,7 +68,7 @@ class MomentumUnit:
         comm: the communicator whose plan (layout, mask) and error buffers the unit keeps.
     """
 
-    __slots__ = ("params", "offsets", "hypers", "momentum", "local", "denom", "plan", "errors",
+    __slots__ = ("params", "offsets", "hypers", "momentum", "_local", "denom", "plan", "errors",
                  "masked", "_views", "_encoded")
 
     def __init__(self, params, momenta, denom, keep, hypers, comm, local=None):
@@ -97,18 +99,39 @@ class MomentumUnit:
             self.masked = masked  # for clip_
         else:
             self.masked = None
-        # Gradients are folded into this copy (the CPU kernel folds them on the fly instead);
-        # the average comes back into it (or stays encoded: averaged()), and reaches the
-        # momentum (copied by the update's pass) only once every unit of the step came back
-        # finite. The CPU path of a unit step() averages never touches it.
-        self.local = torch.empty_like(self.momentum) if local is None else local
         self.plan = comm.plan(numel, keep, denom.device)
         self.errors = self.plan.new_errors()
         # The views of the unit's own buffers, made once: step() takes three per parameter
         # per step (about 100 parameters in a 6.5M-parameter GPT: some 0.5 ms of slicing).
-        self._views = {id(b): {p: self._slice(p, b) for p in self.params}
-                       for b in (self.momentum, self.local, self.denom)}
+        self._views = {}
+        for b in (self.momentum, self.denom):
+            self._add_views(b)
+        self._local = None
+        if local is not None:
+            self._set_local(local)
         self._encoded = None  # averaged()'s parts, made at its first use (the wire is fixed)
+
+    @property
+    def local(self) -> torch.Tensor:
+        """The fold buffer: gradients are folded into it (the CPU kernel folds them on the fly
+        instead); the average comes back into it (or stays encoded: averaged()), and reaches
+        the momentum (copied by the update's pass) only once every unit of the step came back
+        finite. Made at its first use: the CPU kernel's paths never use it (an average left
+        encoded is decoded by the update's pass, and by the DDP hook straight into the
+        gradients), which saves 4 bytes per parameter (docs/memory.md)."""
+        if self._local is None:
+            self._set_local(torch.empty_like(self.momentum))
+        return self._local
+
+    def _local_view(self, p: torch.Tensor) -> torch.Tensor:
+        return self.view(p, self.local)
+
+    def _set_local(self, local: torch.Tensor) -> None:
+        self._local = local
+        self._add_views(local)
+
+    def _add_views(self, buffer: torch.Tensor) -> None:
+        self._views[id(buffer)] = {p: self._slice(p, buffer) for p in self.params}
 
     def remask_(self, keep: torch.Tensor) -> None:
         """The mask again (``refresh_denominators``): masked coordinates' momentum is cleared;
@@ -150,7 +173,8 @@ class MomentumUnit:
             hyper = self.hypers[p]
             coupled = 0.0 if hyper["decoupled_weight_decay"] else hyper["weight_decay"]
             parts.append((self.offsets[p], p, grads[p], hyper["betas"][0], coupled))
-        return Fold(self.local, self.momentum, parts)
+        return Fold(self._local if self._local is not None else (lambda: self.local),
+                    self.momentum, parts)
 
     def reduce_(self, comm, grads: dict, decode: bool = True) -> bool:
         """Fold ``grads`` and average the fold into the local momentum, now; False when some
@@ -167,7 +191,8 @@ class MomentumUnit:
         if self._encoded is None:
             wire, block = self.plan.wire, self.plan.layout.block
             self._encoded = {q: Encoded(wire.all_packed, wire.all_scales, self.plan.mask.keep,
-                                        block, self.offsets[q], self.view(q, self.local))
+                                        block, self.offsets[q], q.numel(),
+                                        functools.partial(self._local_view, q))
                              for q in self.params}
         return self._encoded[p]
 
@@ -181,8 +206,22 @@ class MomentumUnit:
             self.plan.encoded = False
 
     def submit(self, comm, grads: dict) -> torch.futures.Future:
-        """:meth:`reduce_` on the communicator's background thread."""
-        return comm.submit(self.fold(grads), self.plan, self.errors)
+        """:meth:`reduce_` on the communicator's background thread, the average left encoded
+        where it can be (:meth:`average_into` reads it)."""
+        return comm.submit(self.fold(grads), self.plan, self.errors, decode=False)
+
+    def average_into(self, p: torch.Tensor, out: torch.Tensor) -> None:
+        """``p``'s averaged momentum into ``out`` (``p``'s shape; the DDP hook's bucket view),
+        decoded straight from the wire when the average is still encoded: the fold buffer is
+        then neither written nor read. Writes only ``p``'s own part (the hook's callbacks for
+        two buckets sharing a unit may run at once)."""
+        average = self.averaged(p)
+        if not isinstance(average, Encoded):
+            out.copy_(average)
+        elif out.dtype == torch.float32 and out.is_contiguous() and not out.is_cuda:
+            average.decode_into(out)
+        else:
+            out.copy_(average.decoded())
 
     def state_dict(self) -> dict:
         """This rank's error buffers (they differ between ranks)."""

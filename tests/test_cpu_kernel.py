@@ -1,6 +1,7 @@
 """The fused CPU passes (onebit_plugin.kernels.cpu) against the torch reference, bit for bit;
 the build cache; the fallback when no compiler is found."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -374,7 +375,8 @@ def test_the_update_pass_decodes_an_encoded_average_as_the_decode_would(bounded,
         cpu.frozen_update_many([(want_p, decoded[offset : offset + n], d, want_m, -(lr / c),
                                  c if bounded else None)], decay=decay)
         got_p, got_m = p.clone(), torch.full((n,), 3.0)
-        part = Encoded(packed, scales, mask.keep, layout.block, offset, torch.empty(n))
+        part = Encoded(packed, scales, mask.keep, layout.block, offset, n,
+                       functools.partial(torch.empty, n))
         cpu.frozen_update_many([(got_p, part, d, got_m, -(lr / c), c if bounded else None)],
                                decay=decay)
         assert torch.equal(got_p, want_p) and torch.equal(got_m, want_m), n
@@ -415,8 +417,8 @@ def test_frozen_update_takes_encoded_parts_and_decodes_those_it_cannot_read_so()
         for s in shapes:
             n = torch.Size(s).numel()
             view = decoded[offset : offset + n].clone().view(s)
-            averaged.append(Encoded(packed, scales, mask.keep, layout.block, offset,
-                                    torch.empty(s)) if encoded else view)
+            averaged.append(Encoded(packed, scales, mask.keep, layout.block, offset, n,
+                                    functools.partial(torch.empty, s)) if encoded else view)
             offset += n
         frozen_update_(ps, moms, denoms, [3.0, 3.0, 3.0], lr=1e-3, beta1=0.9,
                        weight_decay=0.1, decoupled=True, averaged=averaged)

@@ -1,0 +1,62 @@
+"""What a 1-bit family optimizer holds, by buffer: ``buffer_bytes(optimizer)``.
+
+The memory benchmark (``benchmarks/memory.py``) measures each rank's peak resident memory from
+outside; this says which buffers it is made of, so that docs/memory.md can say what each costs
+and why it exists. Each storage is counted once, under the first name that holds it (a momentum
+that is a view of its unit's buffer counts as the momentum). Bytes are allocated bytes: a buffer
+never written (``torch.empty`` on the CPU) is not resident, which the benchmark's figures show.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["buffer_bytes"]
+
+
+def _tensors(opt) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor the optimizer holds, most specific name first."""
+    out = []
+    for state in opt.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.numel() > 1:
+                out.append(({"exp_avg": "momentum", "exp_avg_sq": "variance",
+                             "master": "master weights"}.get(key, f"state[{key!r}]"), value))
+    for unit in opt._units or []:
+        out.append(("frozen denominator", unit.denom))
+        out.append(("fold buffer", unit.local))
+        for name, error in unit.errors.items():
+            out.append((f"{name} error", error))
+        wire = unit.plan.wire
+        if wire is not None:
+            out += [("wire", t) for t in vars(wire).values() if isinstance(t, torch.Tensor)]
+            if wire.scratch is not None:
+                out += [("compression scratch", t) for t in vars(wire.scratch).values()
+                        if isinstance(t, torch.Tensor)]  # those made so far
+        out.append(("masks", unit.plan.mask.keep))
+        if unit.masked is not None:
+            out.append(("masks", unit.masked))
+    if opt._grad_flat is not None:
+        out.append(("warm-up gradient buffer", opt._grad_flat))
+    if opt.local_steps is not None:
+        out += [("local-step anchors", a) for a in opt.local_steps.anchor.values()]
+    if opt.auto_freeze is not None:
+        out += [("auto-freeze snapshots", t) for _, roots in opt.auto_freeze.snapshots
+                for t in roots]
+    sketch = opt.handoff.sketch
+    if sketch is not None:
+        out += [("norm-sketch signs", s) for s in sketch.signs.values()]
+    return out
+
+
+def buffer_bytes(opt) -> dict[str, int]:
+    """Bytes the optimizer ``opt`` holds per kind of buffer (allocated, each storage once)."""
+    seen, out = set(), {}
+    for name, t in _tensors(opt):
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.device)
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        out[name] = out.get(name, 0) + storage.nbytes()
+    return out
