@@ -32,7 +32,7 @@ def build_units(opt) -> None:
     opt._units = build(
         partition(opt._trainable(), opt._unit_cap_bytes), opt.state,
         {p: g for g in opt.param_groups for p in g["params"]}, opt._masks,
-        opt.config.mask_zero_variance, opt.communicator, spare)
+        opt.config.mask_zero_variance, opt.communicator, spare, opt.policy.keeps_variance)
     opt._unit_of = {p: u for u in opt._units for p in u.params}
     # The step counters become views of one tensor: one add and one read a step for all of
     # them (a foreach add, a stack and a read of some 100 scalar tensors cost ~0.7 ms).

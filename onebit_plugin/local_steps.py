@@ -42,8 +42,8 @@ from onebit_plugin.allreduce import all_finite
 from onebit_plugin.deferred import fold_gradient_
 from onebit_plugin.warmup import ring_bytes
 
-__all__ = ["LocalSteps", "corrections", "load_saved_state", "saved_state", "sync_ranks",
-           "take_step"]
+__all__ = ["LocalSteps", "corrections", "freeze_variances", "load_saved_state", "saved_state",
+           "sync_ranks", "take_step"]
 
 log = logging.getLogger("onebit_plugin")
 
@@ -99,23 +99,24 @@ class LocalSteps:
     # ---------------------------------------------------------------------------------- sync
     @torch.no_grad()
     def send_(self, units: list, comm, groups: list[dict], fp32_of, corrections: dict) -> bool:
-        """Average every unit's ``y`` (module docstring) into its fold buffer, by ``comm``;
-        ``corrections``: parameter -> ``1 - b1**t``. False (on every rank) when some rank's
-        was not finite."""
+        """Average every unit's ``y`` (module docstring) by ``comm``, in the unit's momentum
+        buffer (the momentum is rebuilt from the average, so its memory is free: no fold buffer
+        is needed); ``corrections``: parameter -> ``1 - b1**t``. False (on every rank) when
+        some rank's was not finite."""
         index = {id(g): i for i, g in enumerate(groups)}
         ok = True
         for unit in units:
             anchor = self.anchor[unit]
             for p in unit.params:
                 i = index[id(unit.hypers[p])]
-                y = unit.view(p, unit.local)
+                y = unit.view(p)
                 if self.lr_sum[i] == 0:  # lr 0 throughout: nothing moved
                     y.zero_()
                     continue
                 torch.mul(unit.view(p, anchor), self.decay[i], out=y)
                 y.sub_(fp32_of(p)).mul_(unit.view(p, unit.denom))
                 y.mul_(corrections[p] / self.lr_sum[i])
-            ok &= comm.reduce_(unit.local, unit.plan, unit.errors)
+            ok &= comm.reduce_(unit.momentum, unit.plan, unit.errors)
         return ok
 
     @torch.no_grad()
@@ -131,10 +132,8 @@ class LocalSteps:
                 i = index[id(unit.hypers[p])]
                 x, m = unit.view(p, anchor), unit.view(p)
                 x.mul_(self.decay[i])
-                if ok:
-                    average = unit.view(p, unit.local)
-                    m.copy_(average)
-                    ratio = average.div_(unit.view(p, unit.denom)).div_(corrections[p])
+                if ok:  # m holds the average: the new momentum
+                    ratio = torch.div(m, unit.view(p, unit.denom)).div_(corrections[p])
                     if bounded:
                         ratio.clamp_(-1.0, 1.0)
                     x.sub_(ratio.mul_(self.lr_sum[i]))
@@ -178,6 +177,7 @@ def take_step(opt, sync: bool) -> None:
     parameters and momenta."""
     units = opt.units
     if opt.local_steps is None:  # the first local step: the ranks are on one point now
+        freeze_variances(opt)
         opt.local_steps = LocalSteps(units, opt._fp32_of, opt.param_groups)
     trainable = opt._trainable()
     grads = {p: p.grad for p in trainable}
@@ -194,6 +194,16 @@ def take_step(opt, sync: bool) -> None:
                                        opt.world_size) if not sync else 0)
     if sync:
         sync_ranks(opt, corrections(opt, counts))
+
+
+def freeze_variances(opt) -> None:
+    """Phase B refreshes the variance no more: it is dropped, and checkpoints hold the units'
+    denominators instead (``state[p]["frozen_denominator"]``), as 1-bit Adam's do after its
+    freeze: 4 bytes per parameter less from here on (docs/memory.md)."""
+    for unit in opt.units:
+        for p in unit.params:
+            opt.state[p].pop("exp_avg_sq", None)
+            opt.state[p]["frozen_denominator"] = unit.view(p, unit.denom)
 
 
 def corrections(opt, counts: list[float]) -> dict:

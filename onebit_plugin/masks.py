@@ -23,7 +23,8 @@ NEGLIGIBLE_VARIANCE = 1e-6
 
 
 def negligible_root(roots: list[torch.Tensor]) -> float:
-    """NEGLIGIBLE_VARIANCE of the rms of ``roots`` (every trainable coordinate's sqrt(v_hat))."""
+    """NEGLIGIBLE_VARIANCE of the rms of ``roots`` (every trainable coordinate's sqrt(v_hat),
+    or its denominator sqrt(v_hat) + eps: eps is far below any real gradient's root)."""
     # In pieces of 64K values: a float64 sum of one fp32 tensor of 6.5M values measured
     # 48-51 ms on one CPU thread, of its 64K-value pieces 5 ms (torch 2.13; the same to 1e-15).
     total = sum(float(piece.square().sum(dtype=torch.float64))
@@ -32,19 +33,24 @@ def negligible_root(roots: list[torch.Tensor]) -> float:
     return NEGLIGIBLE_VARIANCE * math.sqrt(total / max(count, 1))
 
 
-def keep_mask(params: list[torch.Tensor], root: torch.Tensor, negligible: float,
-              mask_zero_variance: bool, masks: dict) -> torch.Tensor:
-    """Flat bool mask of the coordinates of ``params`` (``root``: their frozen sqrt(v), flat)
-    that take part in the compression stage; ``masks``: the user's, per parameter."""
-    if not mask_zero_variance:
-        keep = torch.ones(root.numel(), dtype=torch.bool, device=root.device)
-    elif negligible != 0:  # a NaN root fails the comparison (masked); a NaN bound masks all
-        keep = root >= negligible
-    else:  # every sqrt(v) is 0: only the zeros (and NaNs) are masked
-        keep = root > 0
+def keep_mask(params: list[torch.Tensor], denom: torch.Tensor, eps: list[float],
+              negligible: float, mask_zero_variance: bool, masks: dict) -> torch.Tensor:
+    """Flat bool mask of the coordinates of ``params`` that take part in the compression stage:
+    those whose frozen ``sqrt(v_hat)`` is at least ``negligible``, read from their denominator
+    ``sqrt(v_hat) + eps`` (``denom``, flat; ``eps`` per parameter), the one copy of the frozen
+    variance a member keeps, so that a resumed run masks as the uninterrupted one did;
+    ``masks``: the user's, per parameter."""
+    keep = torch.empty(denom.numel(), dtype=torch.bool, device=denom.device)
     offset = 0
-    for p in params:
+    for p, e in zip(params, eps, strict=True):
+        piece, out = denom[offset : offset + p.numel()], keep[offset : offset + p.numel()]
+        if not mask_zero_variance:
+            out.fill_(True)
+        elif negligible != 0:  # a NaN fails the comparison (masked); a NaN bound masks all
+            torch.ge(piece, e + negligible, out=out)
+        else:  # every sqrt(v) is 0: only the zeros (and NaNs) are masked
+            torch.gt(piece, e, out=out)
         if p in masks:
-            keep[offset : offset + p.numel()] &= masks[p].reshape(-1)
+            out &= masks[p].reshape(-1)
         offset += p.numel()
     return keep

@@ -21,10 +21,12 @@ def _tensors(opt) -> list[tuple[str, torch.Tensor]]:
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.numel() > 1:
                 out.append(({"exp_avg": "momentum", "exp_avg_sq": "variance",
+                             "frozen_denominator": "frozen denominator",
                              "master": "master weights"}.get(key, f"state[{key!r}]"), value))
     for unit in opt._units or []:
         out.append(("frozen denominator", unit.denom))
-        out.append(("fold buffer", unit.local))
+        if unit._local is not None:  # made at its first use (not by asking here)
+            out.append(("fold buffer", unit._local))
         for name, error in unit.errors.items():
             out.append((f"{name} error", error))
         wire = unit.plan.wire

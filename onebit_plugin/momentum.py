@@ -245,7 +245,7 @@ class MomentumUnit:
 
 def _roots_into(params: list[torch.Tensor], state, groups: dict, out: torch.Tensor) -> None:
     """Each parameter's ``sqrt(v_hat)`` (its variance at its ``frozen_step`` count) into its
-    piece of the flat ``out``, in layout order."""
+    piece of the flat ``out``, in layout order (``out`` may be the variances' own memory)."""
     for p, piece in zip(params, out.split([p.numel() for p in params]), strict=True):
         corrected_root(state[p]["exp_avg_sq"].reshape(-1), state[p]["frozen_step"],
                        beta2=groups[p]["betas"][1], out=piece)
@@ -258,37 +258,59 @@ def _add_eps_(params: list[torch.Tensor], groups: dict, root: torch.Tensor) -> N
         offset += p.numel()
 
 
+def _denominator(params: list[torch.Tensor], state, groups: dict, in_place: bool
+                 ) -> torch.Tensor:
+    """The flat frozen ``sqrt(v_hat) + eps`` of ``params``: a checkpoint's (``state[p]``'s
+    ``frozen_denominator``), or computed from the variances, in their own memory when
+    ``in_place`` and they lie back to back (as ``init_states_in_unit_order`` lays them out):
+    a member whose variance stays frozen needs no copy of it beside its denominator."""
+    numel = sum(p.numel() for p in params)
+    if all("frozen_denominator" in state[p] for p in params):  # resumed
+        saved = [state[p]["frozen_denominator"] for p in params]
+        flat = _back_to_back(saved, numel)
+        if flat is None:
+            flat = torch.cat([d.reshape(-1) for d in saved])
+        return flat
+    flat = _back_to_back([state[p]["exp_avg_sq"] for p in params], numel) if in_place else None
+    if flat is None:
+        flat = torch.empty(numel, dtype=torch.float32, device=params[0].device)
+    _roots_into(params, state, groups, flat)
+    _add_eps_(params, groups, flat)
+    return flat
+
+
 def build_units(parts: list[list[torch.Tensor]], state, groups: dict, masks: dict,
-                mask_zero_variance: bool, comm, spare: torch.Tensor | None
-                ) -> list[MomentumUnit]:
+                mask_zero_variance: bool, comm, spare: torch.Tensor | None,
+                keep_variance: bool = False) -> list[MomentumUnit]:
     """At the stage change: a unit per part of :func:`partition`, its denominator the frozen
     ``sqrt(v_hat) + eps`` of its parameters (``state[p]``: ``exp_avg_sq`` and
-    ``frozen_step``; ``groups[p]``: its param group), its mask from the roots and ``masks``;
-    every ``state[p]["exp_avg"]`` becomes a view of its unit's momentum. ``spare``: resident
-    memory no longer used (warm-up's gradient buffer), cut into fold buffers where it fits."""
-    # One root per coordinate, computed into the buffer that becomes the denominator, read
-    # by the masks first: with a root per use (three) and the temporaries each made, this
-    # step took 1.3 s on each of 4 emulated hosts sharing 2 cores at 6.5M parameters,
-    # against some 0.2 s for a compression-stage step (2026-12-01, benchmarks/cluster.py).
-    roots = []
-    for params in parts:
-        root = torch.empty(sum(p.numel() for p in params), dtype=torch.float32,
-                           device=params[0].device)
-        _roots_into(params, state, groups, root)
-        roots.append(root)
-    negligible = negligible_root(roots) if mask_zero_variance else 0.0
+    ``frozen_step``; ``groups[p]``: its param group), its mask from the denominators and
+    ``masks``; every ``state[p]["exp_avg"]`` becomes a view of its unit's momentum. Unless
+    ``keep_variance`` (a member that refreshes it), the variance is dropped: its memory becomes
+    the denominator where it can, and ``state[p]["frozen_denominator"]`` (a view of it) is what
+    checkpoints hold. ``spare``: resident memory no longer used (warm-up's gradient buffer),
+    cut into fold buffers where it fits."""
+    # One pass computes each denominator into the memory that keeps it; the masks read it: with
+    # a root per use (three) and the temporaries each made, this step took 1.3 s on each of 4
+    # emulated hosts sharing 2 cores at 6.5M parameters, against some 0.2 s for a
+    # compression-stage step (2026-12-01, benchmarks/cluster.py).
+    denoms = [_denominator(params, state, groups, not keep_variance) for params in parts]
+    negligible = negligible_root(denoms) if mask_zero_variance else 0.0
     units, start = [], 0
-    for params, root in zip(parts, roots, strict=True):
+    for params, denom in zip(parts, denoms, strict=True):
         local = None
-        if spare is not None and spare.device == root.device and \
-                start + root.numel() <= spare.numel():
-            local, start = spare[start : start + root.numel()], start + root.numel()
-        keep = keep_mask(params, root, negligible, mask_zero_variance, masks)
-        _add_eps_(params, groups, root)
-        unit = MomentumUnit(params, [state[p]["exp_avg"] for p in params], root, keep,
+        if spare is not None and spare.device == denom.device and \
+                start + denom.numel() <= spare.numel():
+            local, start = spare[start : start + denom.numel()], start + denom.numel()
+        keep = keep_mask(params, denom, [groups[p]["eps"] for p in params], negligible,
+                         mask_zero_variance, masks)
+        unit = MomentumUnit(params, [state[p]["exp_avg"] for p in params], denom, keep,
                             [groups[p] for p in params], comm, local)
         for p in params:
             state[p]["exp_avg"] = unit.view(p)
+            if not keep_variance or "exp_avg_sq" not in state[p]:  # or resumed without it
+                state[p].pop("exp_avg_sq", None)
+                state[p]["frozen_denominator"] = unit.view(p, denom)
         units.append(unit)
     return units
 
@@ -300,10 +322,12 @@ def refresh_denominators(units: list[MomentumUnit], state, groups: dict, masks: 
     now, or the other way round); the same on every rank, from the same averaged gradients."""
     for unit in units:
         _roots_into(unit.params, state, groups, unit.denom)
+        _add_eps_(unit.params, groups, unit.denom)
     negligible = negligible_root([u.denom for u in units]) if mask_zero_variance else 0.0
     for unit in units:
-        unit.remask_(keep_mask(unit.params, unit.denom, negligible, mask_zero_variance, masks))
-        _add_eps_(unit.params, groups, unit.denom)
+        unit.remask_(keep_mask(unit.params, unit.denom,
+                               [groups[p]["eps"] for p in unit.params], negligible,
+                               mask_zero_variance, masks))
 
 
 def update_rows(param_groups: list[dict], unit_of: dict, step_index: dict,
@@ -325,27 +349,31 @@ def update_rows(param_groups: list[dict], unit_of: dict, step_index: dict,
                   torch.tensor(counting, dtype=torch.int64))
 
 
-def new_state(state: dict, p: torch.Tensor, exp_avg: torch.Tensor | None = None) -> dict:
+def new_state(state: dict, p: torch.Tensor, exp_avg: torch.Tensor | None = None,
+              exp_avg_sq: torch.Tensor | None = None) -> dict:
     """Adam's state for ``p`` in ``state`` (its dict in the optimizer's state), fp32 whatever
-    ``p``'s dtype; ``exp_avg``: memory to take as the momentum."""
+    ``p``'s dtype; ``exp_avg``, ``exp_avg_sq``: zeroed memory to take as the moments."""
+    def zeros(given):
+        return torch.zeros_like(p, dtype=torch.float32) if given is None else given
     state["step"] = torch.tensor(0.0, dtype=torch.float32)
-    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32) if exp_avg is None else exp_avg
-    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+    state["exp_avg"], state["exp_avg_sq"] = zeros(exp_avg), zeros(exp_avg_sq)
     return state
 
 
 def init_states_in_unit_order(states, params: list[torch.Tensor],
                               units: list[list[torch.Tensor]]) -> None:
     """The state of ``params`` (none yet), their momenta back to back in one buffer in the
-    order ``units`` (:func:`partition`) lays them out: the freeze then takes that memory as the
-    units' momentum instead of copying it into new memory (``MomentumUnit``). Parameters on
-    several devices or not strided get each its own, later."""
+    order ``units`` (:func:`partition`) lays them out, and their variances in another: the
+    freeze then takes that memory as the units' momentum and denominator instead of copying
+    them into new memory (``MomentumUnit``, :func:`build_units`). Parameters on several
+    devices or not strided get each its own, later."""
     if len(params) < 2 or len({p.device for p in params}) > 1 or \
             any(p.layout != torch.strided for p in params):
         return
     order = {p: i for i, p in enumerate(q for unit in units for q in unit)}
     params = sorted(params, key=lambda p: order.get(p, len(order)))
-    flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32,
-                       device=params[0].device)
-    for p, m in zip(params, flat.split([p.numel() for p in params]), strict=True):
-        new_state(states[p], p, m.view(p.shape))
+    sizes = [p.numel() for p in params]
+    flat = [torch.zeros(sum(sizes), dtype=torch.float32, device=params[0].device)
+            for _ in range(2)]
+    for p, m, v in zip(params, flat[0].split(sizes), flat[1].split(sizes), strict=True):
+        new_state(states[p], p, m.view(p.shape), v.view(p.shape))

@@ -79,6 +79,10 @@ class ExactMomentum(Exchange):
 class Policy:
     """A member's decisions; subclass it and give the base an instance."""
 
+    #: Whether the compression stage still updates the variance (:meth:`refresh_moments_`):
+    #: else its memory becomes the frozen denominator, and checkpoints hold that instead.
+    keeps_variance = False
+
     def __init__(self, exchange: Exchange):
         self.exchange = exchange
 

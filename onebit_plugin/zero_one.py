@@ -64,6 +64,8 @@ def auto_local_step_scaler(total_steps: int, var_freeze_step: int, clipper: int)
 class ZeroOnePolicy(AdamPolicy):
     """0/1 Adam's decisions: Adam's updates, its schedule of refreshes and syncs."""
 
+    keeps_variance = True  # refreshed in phase A
+
     def __init__(self, var_freeze_step, var_update_scaler: int, local_step_scaler,
                  local_step_clipper: int):
         super().__init__(OneBitMomentum())
