@@ -54,7 +54,9 @@ VARIANTS = ["adam", "onebit_fixed", "onebit_auto", "onebit_auto_unbounded", "fp1
             # Clipping: each compared with Adam + the same clipping of the averaged gradient.
             "adam_clip", "onebit_auto_clip", "onebit_auto_clip_momentum",
             # bf16 parameters (autocast for the fp32 inputs), each compared with onebit_auto.
-            "onebit_auto_bf16", "onebit_auto_bf16_master"]
+            "onebit_auto_bf16", "onebit_auto_bf16_master",
+            # bf16 error buffers (error_dtype="bfloat16"), compared with onebit_auto.
+            "onebit_auto_compact_errors"]
 # 0/1 Adam (``--steps 2000 --variants adam,onebit_auto,zero_one,...``, docs/benchmarks.md):
 # its defaults, local intervals reaching 16 early (local_step_scaler=8), and up to 64.
 ZERO_ONE = {"zero_one": {}, "zero_one_local16_early": {"local_step_scaler": 8},
@@ -74,7 +76,7 @@ COLLECTIVES = ("all_reduce", "all_to_all_single", "all_gather", "broadcast",
 
 def reference(variant: str) -> str:
     """The run a variant is compared with."""
-    if "bf16" in variant:
+    if "bf16" in variant or variant.endswith("compact_errors"):
         return "onebit_auto"
     return "adam_clip" if "clip" in variant else "adam"
 
@@ -202,7 +204,9 @@ def _optimizer(variant, ddp, lr):
         opt = OneBitAdam(ddp.parameters(), lr=lr, total_steps=STEPS, max_skipped_steps=STEPS + 1,
                          freeze_step=FIXED_FREEZE if variant == "onebit_fixed" else "auto",
                          bound_update=variant != "onebit_auto_unbounded",
-                         master_weights=variant.endswith("_master"))
+                         master_weights=variant.endswith("_master"),
+                         error_dtype="bfloat16" if variant.endswith("compact_errors")
+                         else "float32")
         register_onebit_hook(ddp, opt)
         return opt
     if variant == "fp16":

@@ -42,12 +42,16 @@ ROOT = Path(__file__).resolve().parents[1]
 # few steps: 1-bit Adam freezes after step 3; 0/1 Adam refreshes the variance at steps 1, 2 and
 # 4 (var_update_scaler=1), sends 1-bit momenta at 3, 5 and 6 and takes local steps from step 7,
 # its interval reaching 4 (syncs at 8, 10, 14, 18).
+# Each 1-bit member also with compact (bf16) error buffers.
+_ZERO_ONE = {"lr": 1e-4, "var_freeze_step": 6, "var_update_scaler": 1, "local_step_scaler": 2,
+             "local_step_clipper": 4, "total_steps": 18}
 CONFIGS = {
     "adam": ("Adam", {"lr": 1e-4}, 8),
     "onebit_adam": ("OneBitAdam", {"lr": 1e-4, "freeze_step": 3}, 8),
-    "zero_one_adam": ("ZeroOneAdam", {"lr": 1e-4, "var_freeze_step": 6, "var_update_scaler": 1,
-                                      "local_step_scaler": 2, "local_step_clipper": 4,
-                                      "total_steps": 18}, 18),
+    "onebit_adam_bf16_errors": ("OneBitAdam", {"lr": 1e-4, "freeze_step": 3,
+                                               "error_dtype": "bfloat16"}, 8),
+    "zero_one_adam": ("ZeroOneAdam", _ZERO_ONE, 18),
+    "zero_one_adam_bf16_errors": ("ZeroOneAdam", {**_ZERO_ONE, "error_dtype": "bfloat16"}, 18),
 }
 
 

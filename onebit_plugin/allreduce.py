@@ -34,6 +34,7 @@ from onebit_plugin.compression import (
     CompressionBuffers,
     CoordinateMask,
     decompress,
+    round_to_bf16_,
     server_compress,
     worker_compress,
 )
@@ -168,8 +169,11 @@ class Plan:
     buffers, allocated once. Made by the communicator's :meth:`plan`."""
 
     def __init__(self, layout: ChunkLayout, keep: torch.Tensor | None, device, rank: int,
-                 wire: bool):
+                 wire: bool, error_dtype: torch.dtype = torch.float32, salt: int = 0):
         self.layout, self.device, self.rank = layout, resolve_device(device), rank
+        # bf16 errors: their stochastic rounding's noise differs per plan (``salt``: the
+        # communicator's count of plans made, the same on every run) and per rank.
+        self.error_dtype, self.salt = error_dtype, salt
         self.remask_(keep)
         self.wire = _WireBuffers(layout, self.device) if wire else None
         # The last reduce_ left its average encoded in the wire buffers (decode=False).
@@ -182,12 +186,17 @@ class Plan:
 
     def new_errors(self) -> dict[str, torch.Tensor]:
         """Zero error buffers for this plan: ``worker`` (padded numel) and ``server`` (one
-        chunk) for the 1-bit communicator, none for the exact one."""
+        chunk) for the 1-bit communicator, in its ``error_dtype``, and with bf16 errors
+        ``draws``, the count of their stochastic roundings (so that a resumed run draws the
+        same noise); none for the exact one."""
         if self.wire is None:
             return {}
-        z = dict(dtype=torch.float32, device=self.device)
-        return {"worker": torch.zeros(self.layout.padded_numel, **z),
-                "server": torch.zeros(self.layout.chunk, **z)}
+        z = dict(dtype=self.error_dtype, device=self.device)
+        errors = {"worker": torch.zeros(self.layout.padded_numel, **z),
+                  "server": torch.zeros(self.layout.chunk, **z)}
+        if self.error_dtype != torch.float32:
+            errors["draws"] = torch.zeros((), dtype=torch.int64)
+        return errors
 
     def clear_masked_(self, errors: dict[str, torch.Tensor]) -> None:
         """Zero the errors of masked coordinates, so that none ever leaks into a later call."""
@@ -372,6 +381,9 @@ class OneBitAllreduce(_Communicator):
         scale: the block scale rule, ``"rms"`` or ``"mean"`` (``onebit_plugin.compression``).
         timeout: seconds each collective may take before the call raises
             :class:`CommunicationError`.
+        error_dtype: the error buffers' dtype, ``"float32"`` or ``"bfloat16"`` (half their
+            memory: each call widens them into one fp32 scratch of the largest tensor's size,
+            runs the passes on it and rounds them back stochastically, ``round_to_bf16_``).
 
     Non-finite input on any rank skips the call on *every* rank, with no extra collective and
     no extra pass: the worker pass itself finds it (a value that is inf or NaN, or whose square
@@ -383,14 +395,46 @@ class OneBitAllreduce(_Communicator):
 
     compressed = True
 
-    def __init__(self, group=None, *, max_block: int = 2048, scale: str = "rms", timeout=None):
+    def __init__(self, group=None, *, max_block: int = 2048, scale: str = "rms", timeout=None,
+                 error_dtype: str = "float32"):
         super().__init__(group, timeout)
         self.max_block, self.scale = max_block, scale
+        self.error_dtype = getattr(torch, error_dtype)
+        self._plans = 0
+        self._wide: torch.Tensor | None = None  # fp32 scratch for bf16 errors
 
     def _layout(self, numel: int) -> ChunkLayout:
         return ChunkLayout.create(numel, self.world_size, self.max_block, self.scale)
 
+    def plan(self, numel: int, keep: torch.Tensor | None = None, device=None) -> Plan:
+        self._plans += 1
+        return Plan(self._layout(numel), keep, device or "cpu", self.rank, True,
+                    self.error_dtype, self._plans)
+
     def _reduce(self, tensor, out, plan: Plan, errors, decode) -> bool:
+        if errors["worker"].dtype == torch.float32:
+            return self._reduce_fp32(tensor, out, plan, errors, decode)
+        # Compact errors: widened exactly into fp32 scratch (one, sized to the largest tensor:
+        # calls hold the lock, one at a time), the passes run on it, and rounded back.
+        lay = plan.layout
+        need = lay.padded_numel + lay.chunk
+        if self._wide is None or self._wide.numel() < need or \
+                self._wide.device != errors["worker"].device:
+            self._wide = torch.empty(need, dtype=torch.float32, device=errors["worker"].device)
+        wide = {"worker": self._wide[: lay.padded_numel],
+                "server": self._wide[lay.padded_numel : need]}
+        for name, w in wide.items():
+            w.copy_(errors[name])
+        ok = self._reduce_fp32(tensor, out, plan, wide, decode)
+        draws = int(errors["draws"])
+        for i, (name, w) in enumerate(wide.items()):
+            # A seed per plan, rank, buffer and call: no two roundings share their noise.
+            seed = ((plan.salt * 65599 + self.rank) * 2 + i) * 2**32 + draws
+            round_to_bf16_(w, errors[name], seed % 2**63)
+        errors["draws"] += 1
+        return ok
+
+    def _reduce_fp32(self, tensor, out, plan: Plan, errors, decode) -> bool:
         lay, w = plan.layout, plan.wire
         worker_compress(tensor, errors["worker"], plan.mask, lay, w.send_packed, w.send_scales,
                         w.scratch)

@@ -170,7 +170,8 @@ class OneBitOptimizer(Optimizer):
         if self.counts.comm is None:
             self.counts.attach(self.policy.exchange.communicator(
                 self.comm_group, self.world_size, max_block=self.config.max_block,
-                scale=self.config.scale, timeout=self.comm_timeout))
+                scale=self.config.scale, timeout=self.comm_timeout,
+                error_dtype=self.config.error_dtype))
         return self.counts.comm
 
     @property

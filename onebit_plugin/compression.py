@@ -48,6 +48,7 @@ __all__ = [
     "block_sums_",
     "block_tile",
     "decompress",
+    "round_to_bf16_",
     "server_compress",
     "worker_compress",
 ]
@@ -217,6 +218,24 @@ class CompressionBuffers:
     def block_sums(self) -> torch.Tensor:
         return torch.empty(self.num_values // self.block, dtype=torch.float32,
                            device=self.device)
+
+
+def round_to_bf16_(src: torch.Tensor, out: torch.Tensor, seed: int) -> None:
+    """``src`` (fp32, overwritten) into ``out`` (bf16, as many values), rounded
+    stochastically: up with probability equal to the fraction of a bf16 ulp that truncation
+    would drop, so the rounding is unbiased (E[out] = src) and an error buffer kept in bf16
+    loses nothing on average across the steps it carries a value (Gupta et al., 2015; MicroAdam
+    keeps its error feedback compact for the same reason). The noise is 16 uniform bits per
+    value from a generator seeded with ``seed``: the same bits on every backend and after a
+    resume. Finite values only (an error buffer is cleared where it is not finite)."""
+    gen = torch.Generator(device=src.device).manual_seed(seed)
+    noise = torch.randint(0, 1 << 16, src.shape, generator=gen, dtype=torch.int32,
+                          device=src.device)
+    # A float's bit pattern read as an integer is sign and magnitude: adding below the 16 bits
+    # bf16 keeps carries into the magnitude (up, either sign), and the arithmetic shift keeps
+    # the sign bits, so the high half is the rounded bf16 pattern.
+    bits = src.view(torch.int32).add_(noise).bitwise_right_shift_(16)
+    out.view(torch.int16).copy_(bits)
 
 
 def block_sums_(terms: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ __all__ = ["MEMBERS", "EnvSettings", "OneBitConfig", "check_hparams", "check_set
            "settings_from_env"]
 
 SCALE_RULES = ("rms", "mean")
+ERROR_DTYPES = ("float32", "bfloat16")
 # A Triton program holds one block: compile time grows with it (2**17 values took 129 s to
 # compile for sm_90, 2**21 did not compile), and blocks past a few thousand values buy nothing.
 MAX_BLOCK = 16384
@@ -41,6 +42,8 @@ _RULES = {
                   f"a positive multiple of 8 up to {MAX_BLOCK}",
                   f"a multiple of 8 in [8, {MAX_BLOCK}]"),
     "scale": (lambda v: v in SCALE_RULES, f"one of {SCALE_RULES}", f"one of {SCALE_RULES}"),
+    "error_dtype": (lambda v: v in ERROR_DTYPES, f"one of {ERROR_DTYPES}",
+                    f"one of {ERROR_DTYPES}"),
     "comm_timeout": (lambda v: v is None or v > 0, "> 0 seconds", "> 0 seconds"),
     "max_skipped_steps": (lambda v: _is_int(v, 1), "an int >= 1", ">= 1"),
     "bucket_cap_mb": (lambda v: v is None or v > 0, "> 0", "> 0"),
@@ -82,6 +85,7 @@ class OneBitConfig:
     bucket_cap_mb: float | None = None
     max_skipped_steps: int = 20
     master_weights: bool = False
+    error_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         if self.freeze_step is None:
@@ -105,7 +109,8 @@ class OneBitConfig:
                 "mask_zero_variance": int(self.mask_zero_variance),
                 "compress_momentum": int(self.compress_momentum),
                 "bound_update": int(self.bound_update),
-                "master_weights": int(self.master_weights)}
+                "master_weights": int(self.master_weights),
+                "error_dtype": ERROR_DTYPES.index(self.error_dtype)}
 
     def replace(self, **changes) -> OneBitConfig:
         """A copy with ``changes``, checked again."""
@@ -147,14 +152,15 @@ def flag(name: str, default: str) -> bool:
 VARIABLES = ("ONEBIT_ADAM", "ONEBIT_OPTIMIZER", "ONEBIT_FREEZE_STEP", "ONEBIT_VAR_FREEZE_STEP",
              "ONEBIT_LOCAL_STEP_SCALER", "ONEBIT_TOTAL_STEPS", "ONEBIT_MAX_BLOCK",
              "ONEBIT_SCALE", "ONEBIT_OVERLAP", "ONEBIT_TIMEOUT", "ONEBIT_BOUND_UPDATE",
-             "ONEBIT_MASTER_WEIGHTS", "ONEBIT_CPU_KERNEL")
+             "ONEBIT_MASTER_WEIGHTS", "ONEBIT_ERROR_DTYPE", "ONEBIT_CPU_KERNEL")
 # ONEBIT_OPTIMIZER: the member that replaces Adam/AdamW (1-bit Adam, or 0/1 Adam).
 MEMBERS = ("onebit_adam", "zero_one_adam")
 # The variable of each config field it sets: a ValueError about the field names the variable.
 _FIELD_VARIABLES = {"freeze_step": "ONEBIT_FREEZE_STEP", "total_steps": "ONEBIT_TOTAL_STEPS",
                     "max_block": "ONEBIT_MAX_BLOCK", "scale": "ONEBIT_SCALE",
                     "comm_timeout": "ONEBIT_TIMEOUT", "bound_update": "ONEBIT_BOUND_UPDATE",
-                    "master_weights": "ONEBIT_MASTER_WEIGHTS"}
+                    "master_weights": "ONEBIT_MASTER_WEIGHTS",
+                    "error_dtype": "ONEBIT_ERROR_DTYPE"}
 
 
 def _env_int(name: str) -> int | None:
@@ -204,6 +210,7 @@ class EnvSettings:
     timeout: float | None = None
     bound_update: bool = True
     master_weights: bool = False
+    error_dtype: str = "float32"
     optimizer: str = "onebit_adam"
     var_freeze_step: int | str = "auto"
     local_step_scaler: int | str = "auto"
@@ -226,7 +233,7 @@ class EnvSettings:
         return OneBitConfig(freeze_step=self.freeze_step, total_steps=self.total_steps,
                             max_block=self.max_block, scale=self.scale,
                             comm_timeout=self.timeout, bound_update=self.bound_update,
-                            master_weights=self.master_weights)
+                            master_weights=self.master_weights, error_dtype=self.error_dtype)
 
     @classmethod
     def from_env(cls) -> EnvSettings | None:
@@ -281,6 +288,7 @@ def settings_from_env() -> EnvSettings | None:
         comm_timeout=_env_seconds("ONEBIT_TIMEOUT"),
         bound_update=flag("ONEBIT_BOUND_UPDATE", "1"),
         master_weights=flag("ONEBIT_MASTER_WEIGHTS", "0"),
+        error_dtype=os.environ.get("ONEBIT_ERROR_DTYPE", "").strip() or "float32",
     )
     overlap = flag("ONEBIT_OVERLAP", "1")
     flag("ONEBIT_CPU_KERNEL", "1")  # read when the CPU kernel is first used; checked here

@@ -236,7 +236,8 @@ class MomentumUnit:
                 f"saved momentum-unit state ({state['numel']} values, errors "
                 f"{sorted(set(state) - {'numel'})}) does not fit this unit "
                 f"({self.momentum.numel()} values, errors {sorted(self.errors)}): save and "
-                "resume with the same parameters, bucket_cap_mb and compress_momentum"
+                "resume with the same parameters, bucket_cap_mb, compress_momentum and "
+                "error_dtype"
             )
         for name, e in self.errors.items():
             e.copy_(state[name])

@@ -108,6 +108,7 @@ class OneBitAdam(OneBitOptimizer):
         bucket_cap_mb: float | None = None,
         max_skipped_steps: int = 20,
         master_weights: bool = False,
+        error_dtype: str = "float32",
     ):
         check_hparams(lr, betas, eps, weight_decay)
         config = OneBitConfig(
@@ -115,7 +116,8 @@ class OneBitAdam(OneBitOptimizer):
             mask_zero_variance=mask_zero_variance, average_grads=average_grads,
             compress_momentum=compress_momentum, bound_update=bound_update,
             comm_timeout=comm_timeout, bucket_cap_mb=bucket_cap_mb,
-            max_skipped_steps=max_skipped_steps, master_weights=master_weights)
+            max_skipped_steps=max_skipped_steps, master_weights=master_weights,
+            error_dtype=error_dtype)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         decoupled_weight_decay=decoupled_weight_decay)
         exchange = OneBitMomentum() if config.compress_momentum else ExactMomentum()

@@ -44,8 +44,10 @@ class Exchange:
     def describe(self, world: int) -> str:
         raise NotImplementedError
 
-    def communicator(self, group, world: int, *, max_block: int, scale: str, timeout):
-        """The communicator that averages the units (``onebit_plugin.allreduce``)."""
+    def communicator(self, group, world: int, *, max_block: int, scale: str, timeout,
+                     error_dtype: str = "float32"):
+        """The communicator that averages the units (``onebit_plugin.allreduce``);
+        ``error_dtype``: its error buffers' (``OneBitAllreduce``)."""
         raise NotImplementedError
 
 
@@ -58,9 +60,11 @@ class OneBitMomentum(Exchange):
             return "exchanged as 1-bit signs"
         return ExactMomentum().describe(world)
 
-    def communicator(self, group, world: int, *, max_block: int, scale: str, timeout):
+    def communicator(self, group, world: int, *, max_block: int, scale: str, timeout,
+                     error_dtype: str = "float32"):
         if world > 1:
-            return OneBitAllreduce(group, max_block=max_block, scale=scale, timeout=timeout)
+            return OneBitAllreduce(group, max_block=max_block, scale=scale, timeout=timeout,
+                                   error_dtype=error_dtype)
         return ExactMomentum().communicator(group, world, max_block=max_block, scale=scale,
                                             timeout=timeout)
 
@@ -72,7 +76,8 @@ class ExactMomentum(Exchange):
     def describe(self, world: int) -> str:
         return "averaged exactly in fp32 (compress_momentum=False or one process)"
 
-    def communicator(self, group, world: int, *, max_block: int, scale: str, timeout):
+    def communicator(self, group, world: int, *, max_block: int, scale: str, timeout,
+                     error_dtype: str = "float32"):
         return ExactAllreduce(group, timeout=timeout)
 
 

@@ -37,8 +37,9 @@ class CompressedAllreduce:
     def __init__(self, numel: int, group: dist.ProcessGroup | None = None, *,
                  max_block: int = 2048, scale: str = "rms", mask: torch.Tensor | None = None,
                  device: torch.device | str | None = None,
-                 timeout: float | timedelta | None = None):
-        self.comm = OneBitAllreduce(group, max_block=max_block, scale=scale, timeout=timeout)
+                 timeout: float | timedelta | None = None, error_dtype: str = "float32"):
+        self.comm = OneBitAllreduce(group, max_block=max_block, scale=scale, timeout=timeout,
+                                    error_dtype=error_dtype)
         self.device = resolve_device(device)
         self.plan = self.comm.plan(numel, mask, self.device)
         self.errors = self.plan.new_errors()

@@ -171,6 +171,7 @@ class ZeroOneAdam(OneBitOptimizer):
         bucket_cap_mb: float | None = None,
         max_skipped_steps: int = 20,
         master_weights: bool = False,
+        error_dtype: str = "float32",
         freeze_step: None = None,
     ):
         check_hparams(lr, betas, eps, weight_decay)
@@ -182,7 +183,8 @@ class ZeroOneAdam(OneBitOptimizer):
             total_steps=total_steps, max_block=max_block, scale=scale,
             mask_zero_variance=mask_zero_variance, average_grads=average_grads,
             bound_update=bound_update, comm_timeout=comm_timeout, bucket_cap_mb=bucket_cap_mb,
-            max_skipped_steps=max_skipped_steps, master_weights=master_weights)
+            max_skipped_steps=max_skipped_steps, master_weights=master_weights,
+            error_dtype=error_dtype)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         decoupled_weight_decay=decoupled_weight_decay)
         if freeze_step is not None:
