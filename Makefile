@@ -56,7 +56,8 @@ mutants: $(STAMP)
 # (network namespaces: run as root; otherwise loopback, and it says so) for a
 # communication-bound and a compute-bound workload (three round-robin rounds: its differences
 # are within one run's drift), the same paths' steps interleaved step by step in one job (what
-# tells a few per cent apart here), and the accuracy ablations.
+# tells a few per cent apart here), the accuracy ablations, and peak memory per rank against
+# Adam's (docs/memory.md).
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[dev,bench]"
 	$(PY) benchmarks/compression_throughput.py
@@ -67,6 +68,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/paired_steps.py --workload comm
 	$(PY) benchmarks/paired_steps.py --workload compute
 	benchmarks/accuracy.sh
+	$(PY) benchmarks/memory.py
 
 # Accuracy against bytes (about 25 minutes on 2 cores): Adam, 1-bit Adam (fixed freeze and
 # freeze_step="auto"), fp16 and PowerSGD on a char-level GPT, a word-embedding model and

@@ -28,3 +28,9 @@ fi
 triton.__version__)" >> "$OUT/machine.txt" 2>&1
 "$PYTHON" benchmarks/gpu_check.py --device "${DEVICE:-cuda}" ${QUICK:+--quick} --out "$OUT" \
     2>&1 | tee "$OUT/gpu_check.log"
+rc=$?
+# Peak GPU memory per parameter of Adam and the 1-bit family, two gloo ranks sharing the GPU
+# (issue 30; its record goes to $OUT/memory.jsonl).
+ONEBIT_RESULTS_DIR="$OUT" "$PYTHON" benchmarks/memory.py --device "${DEVICE:-cuda}" \
+    ${QUICK:+--dim 256 --layers 2} 2>&1 | tee "$OUT/memory.log"
+exit $(( rc || $? ))

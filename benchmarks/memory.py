@@ -2,6 +2,7 @@
 family in each of its stages (issue 30), measured from outside the package.
 
     .venv/bin/python benchmarks/memory.py [--dim 2048] [--layers 6] [--world 2] [--only NAME]
+    benchmarks/memory.py --device cuda       # in benchmarks/gpu_check.sh: also the GPU's peak
 
 Each configuration runs in ``--world`` fresh gloo processes: an MLP of ``--layers`` square
 layers (6 x 2048: 25.2M parameters), ``DistributedDataParallel(gradient_as_bucket_view=True)``,
@@ -23,6 +24,10 @@ default, each freed block raises the threshold (up to 32 MiB), later blocks come
 and freed memory stays resident: Adam's figure then varied from 28.2 to 32.2 bytes per parameter
 between runs of the same script (2026-12-02), against 0.03 with the fixed threshold.
 ``--default-malloc`` measures without it.
+
+With ``--device cuda`` the model and the optimizer live on the GPU (both gloo ranks share GPU
+0) and each step also records ``torch.cuda.max_memory_allocated`` (its peak reset before the
+step) per parameter: everything the process allocated on the GPU, the model included.
 """
 
 from __future__ import annotations
@@ -79,9 +84,11 @@ def rank_main(args) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     base = _status("VmRSS")
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    cuda = device.type == "cuda"
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(args.dim, args.dim)
-                                  for _ in range(args.layers)])
+                                  for _ in range(args.layers)]).to(device)
     numel = sum(p.numel() for p in model.parameters())
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
     kind, kwargs, steps = CONFIGS[args.config]
@@ -92,9 +99,9 @@ def rank_main(args) -> None:
     else:
         opt = torch.optim.Adam(ddp.parameters(), **kwargs)
     gen = torch.Generator().manual_seed(1 + rank)
-    x = torch.randn(args.batch, args.dim, generator=gen)
-    target = torch.randn(args.batch, args.dim, generator=gen)
-    peaks, breakdown, after = {}, {}, {}
+    x = torch.randn(args.batch, args.dim, generator=gen).to(device)
+    target = torch.randn(args.batch, args.dim, generator=gen).to(device)
+    peaks, breakdown, after, gpu = {}, {}, {}, {}
     for _ in range(steps):
         label = opt.coming_exchange if onebit else "adam"
         if onebit and opt.stage == "warmup":
@@ -104,15 +111,21 @@ def rank_main(args) -> None:
         elif label == "exact":
             label = "refresh"  # 0/1 Adam's variance refresh
         _reset_peak()
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
         opt.zero_grad(set_to_none=False)
         torch.nn.functional.mse_loss(ddp(x), target).backward()
         opt.step()
+        if cuda:
+            torch.cuda.synchronize(device)
+            gpu[label] = max(gpu.get(label, 0), torch.cuda.max_memory_allocated(device))
         peaks[label] = max(peaks.get(label, 0), _status("VmHWM") - base)
         after[label] = _status("VmRSS") - base
         if onebit:
             breakdown[label] = buffer_bytes(opt)
     out = {"rank": rank, "numel": numel, "base": base, "peaks": peaks, "after": after,
-           "breakdown": breakdown}
+           "breakdown": breakdown, "gpu": gpu}
     Path(args.out).write_text(json.dumps(out))
     dist.destroy_process_group()
 
@@ -135,7 +148,7 @@ def run_config(name: str, args, tmp: Path) -> list[dict]:
             outs.append(out)
             cmd = [sys.executable, __file__, "--rank-of", name, "--out", str(out),
                    "--dim", str(args.dim), "--layers", str(args.layers),
-                   "--batch", str(args.batch)]
+                   "--batch", str(args.batch), "--device", args.device]
             procs.append(subprocess.Popen(cmd, env={**env, "RANK": str(rank)}))
         codes = [p.wait(timeout=1800) for p in procs]
     finally:
@@ -155,7 +168,9 @@ def summarize(name: str, ranks: list[dict]) -> dict:
     steady = {lab: round(max(r["after"][lab] for r in ranks) / numel, 2) for lab in labels}
     breakdown = {lab: {k: round(v / numel, 3) for k, v in ranks[0]["breakdown"][lab].items()}
                  for lab in ranks[0]["breakdown"]}
+    gpu = {lab: round(max(r["gpu"][lab] for r in ranks) / numel, 2) for lab in ranks[0]["gpu"]}
     return {"numel": numel, "peak_bytes_per_param": per_param,
+            **({"cuda_max_allocated_bytes_per_param": gpu} if gpu else {}),
             "after_step_bytes_per_param": steady, "buffers_bytes_per_param": breakdown,
             "base_rss_mb": round(max(r["base"] for r in ranks) / 2**20, 1)}
 
@@ -167,6 +182,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--only", nargs="*", choices=sorted(CONFIGS))
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--default-malloc", action="store_true",
                         help="glibc's default mmap threshold (module docstring)")
     parser.add_argument("--rank-of", dest="config", help=argparse.SUPPRESS)
@@ -178,7 +194,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.only or CONFIGS:
             results[name] = summarize(name, run_config(name, args, Path(tmp)))
-            print(name, json.dumps(results[name]["peak_bytes_per_param"]), flush=True)
+            print(name, json.dumps(results[name]["peak_bytes_per_param"]),
+                  json.dumps(results[name].get("cuda_max_allocated_bytes_per_param", "")),
+                  flush=True)
     adam = max(results["adam"]["peak_bytes_per_param"].values()) if "adam" in results else None
     if adam is not None:
         for res in results.values():
@@ -190,7 +208,7 @@ def main() -> None:
 
     append_run("memory", None, {"world": args.world, "dim": args.dim, "layers": args.layers,
                                 "batch": args.batch, "default_malloc": args.default_malloc,
-                                "configs": results})
+                                "device": args.device, "configs": results})
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ Settings, all read from the environment when ``prepare()`` runs:
   raises ``CommunicationError``), ``ONEBIT_BOUND_UPDATE`` (default 1; 0 is
   ``OneBitAdam(bound_update=False)``), ``ONEBIT_MASTER_WEIGHTS`` (default 0; 1 keeps fp32
   master copies of bf16/fp16 parameters: ``OneBitAdam(master_weights=True)``),
+  ``ONEBIT_ERROR_DTYPE`` (``float32``, the default, or ``bfloat16``: compact error buffers,
+  ``OneBitAdam(error_dtype="bfloat16")``),
   ``ONEBIT_CPU_KERNEL`` (default 1; 0 runs the CPU compression as torch passes instead of the
   compiled C passes, for every OneBitAdam in the process).
 

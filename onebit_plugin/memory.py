@@ -28,16 +28,22 @@ def _tensors(opt) -> list[tuple[str, torch.Tensor]]:
         if unit._local is not None:  # made at its first use (not by asking here)
             out.append(("fold buffer", unit._local))
         for name, error in unit.errors.items():
-            out.append((f"{name} error", error))
+            out.append(("rounding draws" if name == "draws" else f"{name} error", error))
         wire = unit.plan.wire
         if wire is not None:
             out += [("wire", t) for t in vars(wire).values() if isinstance(t, torch.Tensor)]
             if wire.scratch is not None:
                 out += [("compression scratch", t) for t in vars(wire.scratch).values()
                         if isinstance(t, torch.Tensor)]  # those made so far
-        out.append(("masks", unit.plan.mask.keep))
+        for mask in (unit.plan.mask, unit.plan.chunk_mask):
+            out.append(("masks", mask.keep))
+            if "dropped" in vars(mask):  # the CPU torch passes' index list, once made
+                out.append(("masks", mask.dropped))
         if unit.masked is not None:
             out.append(("masks", unit.masked))
+    wide = getattr(opt.counts.comm, "_wide", None)
+    if wide is not None:
+        out.append(("bf16 errors' fp32 scratch", wide))
     if opt._grad_flat is not None:
         out.append(("warm-up gradient buffer", opt._grad_flat))
     if opt.local_steps is not None:
