@@ -248,7 +248,7 @@ MUTANTS = [
        "        if True:\n",
        "tests/test_master_weights.py::test_bf16_master_weights_follow_the_fp32_run_bitwise"),
     _m("hook-copies-the-old-momentum", "row: one momentum path", HOOK,
-       "                    grad.copy_(unit.view(p, unit.local))",
+       "                    unit.average_into(p, grad)",
        "                    grad.copy_(unit.view(p))",
        "tests/test_one_path.py::test_plain_and_hook_paths_are_bitwise_equal_over_several_units"),
     _m("exact-is-1bit", "row: compress_momentum=False is the exact allreduce", OPT,
@@ -308,6 +308,26 @@ MUTANTS = [
        "    (lambda *a: None)(units, opt.state,",
        "tests/test_zero_one.py::"
        "test_phase_a_in_one_process_is_adam_whose_variance_moves_only_on_refresh_steps"),
+    # Memory (issue 30)
+    _m("fold-buffer-made-up-front", "row: memory", UNIT,
+       "        self._local = None\n        if local is not None:",
+       "        self._local = None\n        self._set_local(torch.empty_like(self.momentum))\n"
+       "        if local is not None:",
+       "tests/test_memory.py::"
+       "test_under_the_ddp_hook_the_compression_stage_holds_errors_wire_and_masks_only"),
+    _m("hook-decodes-into-the-fold-buffer", "row: memory", UNIT,
+       "        elif out.dtype == torch.float32 and out.is_contiguous() and not out.is_cuda:",
+       "        elif False:",
+       "tests/test_memory.py::"
+       "test_under_the_ddp_hook_the_compression_stage_holds_errors_wire_and_masks_only"),
+    _m("variance-kept-beside-the-denominator", "row: memory", UNIT,
+       "_denominator(params, state, groups, not keep_variance)",
+       "_denominator(params, state, groups, False)",
+       "tests/test_memory.py::test_the_frozen_denominator_takes_the_variances_memory"),
+    _m("zero-one-variance-kept-in-phase-b", "row: memory", LOCAL,
+       '            opt.state[p].pop("exp_avg_sq", None)\n', "",
+       "tests/test_memory.py::"
+       "test_zero_one_drops_the_variance_when_phase_b_begins_and_keeps_no_fold_buffer"),
     _m("zero-one-hook-sends-in-local-steps", "row: a local step sends nothing", HOOK,
        "    if coming in (LOCAL, SYNC):", "    if False:",
        "tests/test_zero_one.py::"
