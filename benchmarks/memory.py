@@ -194,15 +194,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.only or CONFIGS:
             results[name] = summarize(name, run_config(name, args, Path(tmp)))
-            print(name, json.dumps(results[name]["peak_bytes_per_param"]),
-                  json.dumps(results[name].get("cuda_max_allocated_bytes_per_param", "")),
-                  flush=True)
-    adam = max(results["adam"]["peak_bytes_per_param"].values()) if "adam" in results else None
-    if adam is not None:
-        for res in results.values():
-            res["over_adam"] = {lab: round(v - adam, 2)
-                                for lab, v in res["peak_bytes_per_param"].items()}
-    print(json.dumps(results, indent=1))
+            res = results[name]
+            print(f"{name}: bytes per parameter, peak of a step "
+                  f"{json.dumps(res['peak_bytes_per_param'])}, after it "
+                  f"{json.dumps(res['after_step_bytes_per_param'])}"
+                  + (f", GPU peak {json.dumps(res['cuda_max_allocated_bytes_per_param'])}"
+                     if "cuda_max_allocated_bytes_per_param" in res else ""), flush=True)
+    if "adam" in results:
+        for kind in ("peak", "after_step"):
+            adam = results["adam"][f"{kind}_bytes_per_param"]["adam"]
+            for name, res in results.items():
+                res[f"{kind}_over_adam"] = {lab: round(v - adam, 2) for lab, v in
+                                            res[f"{kind}_bytes_per_param"].items()}
+                print(f"{name}: {kind.replace('_', ' ')} over Adam's "
+                      f"{json.dumps(res[f'{kind}_over_adam'])}")
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from record import append_run
 

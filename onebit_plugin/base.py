@@ -478,6 +478,7 @@ class OneBitOptimizer(Optimizer):
             # A Python number, not a tensor: Lightning moves every optimizer state tensor but
             # "step" to the GPU on resume, and reading it per step would then sync the host.
             state["frozen_step"] = max(float(state["step"]), 1.0)
+            self.policy.freeze_(state)
         self.switch_step = self.global_step
         if self._rank == 0:  # once per job, like the freeze
             log.info("%s", self.switch_message())

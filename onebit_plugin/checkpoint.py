@@ -124,5 +124,13 @@ def load_unit_errors(opt, saved: list[dict]) -> None:
             "examples/train_torchrun.py --ckpt-dir shows it in a plain loop)",
             rank, saved_by, saved_by)
         return  # the errors stay zero
+    theirs = next((s["worker"].dtype for s in saved if "worker" in s), None)
+    if theirs is not None and opt._units and "worker" in opt._units[0].errors and \
+            theirs != opt._units[0].errors["worker"].dtype:
+        log.warning("onebit: rank %d's checkpoint holds %s error buffers and this optimizer "
+                    "keeps %s ones (error_dtype): they are converted%s, so the run goes on "
+                    "from them but is not bit for bit the one that saved them", rank,
+                    str(theirs).removeprefix("torch."), opt.config.error_dtype,
+                    " (rounded to nearest once)" if theirs == torch.float32 else " exactly")
     for unit, state in zip(opt._units, saved, strict=True):
         unit.load_state_dict(state)

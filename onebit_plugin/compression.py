@@ -220,6 +220,10 @@ class CompressionBuffers:
                            device=self.device)
 
 
+# round_to_bf16_'s piece: its noise (4 bytes per value) stays at 1 MiB whatever the buffer.
+ROUND_PIECE = 1 << 18
+
+
 def round_to_bf16_(src: torch.Tensor, out: torch.Tensor, seed: int) -> None:
     """``src`` (fp32, overwritten) into ``out`` (bf16, as many values), rounded
     stochastically: up with probability equal to the fraction of a bf16 ulp that truncation
@@ -227,15 +231,18 @@ def round_to_bf16_(src: torch.Tensor, out: torch.Tensor, seed: int) -> None:
     loses nothing on average across the steps it carries a value (Gupta et al., 2015; MicroAdam
     keeps its error feedback compact for the same reason). The noise is 16 uniform bits per
     value from a generator seeded with ``seed``: the same bits on every backend and after a
-    resume. Finite values only (an error buffer is cleared where it is not finite)."""
+    resume. Finite values only (an error buffer is cleared where it is not finite). In pieces
+    of ``ROUND_PIECE`` values, so that the noise is never as large as the buffer."""
     gen = torch.Generator(device=src.device).manual_seed(seed)
-    noise = torch.randint(0, 1 << 16, src.shape, generator=gen, dtype=torch.int32,
-                          device=src.device)
-    # A float's bit pattern read as an integer is sign and magnitude: adding below the 16 bits
-    # bf16 keeps carries into the magnitude (up, either sign), and the arithmetic shift keeps
-    # the sign bits, so the high half is the rounded bf16 pattern.
-    bits = src.view(torch.int32).add_(noise).bitwise_right_shift_(16)
-    out.view(torch.int16).copy_(bits)
+    bits, dst = src.view(-1).view(torch.int32), out.view(-1).view(torch.int16)
+    for start in range(0, bits.numel(), ROUND_PIECE):
+        piece = bits[start : start + ROUND_PIECE]
+        noise = torch.randint(0, 1 << 16, piece.shape, generator=gen, dtype=torch.int32,
+                              device=src.device)
+        # A float's bit pattern read as an integer is sign and magnitude: adding below the 16
+        # bits bf16 keeps carries into the magnitude (up, either sign), and the arithmetic
+        # shift keeps the sign bits, so the high half is the rounded bf16 pattern.
+        dst[start : start + ROUND_PIECE].copy_(piece.add_(noise).bitwise_right_shift_(16))
 
 
 def block_sums_(terms: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,8 @@ privates, as ``onebit_plugin.checkpoint``'s; ``step()`` calls them as the policy
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from onebit_plugin import checkpoint, local_steps
@@ -18,6 +20,8 @@ from onebit_plugin.momentum import update_rows as rows_of
 
 __all__ = ["build_units", "count_step", "frozen_update", "momentum_step", "refresh_step",
            "update_rows"]
+
+log = logging.getLogger("onebit_plugin")
 
 
 def build_units(opt) -> None:
@@ -34,6 +38,7 @@ def build_units(opt) -> None:
         {p: g for g in opt.param_groups for p in g["params"]}, opt._masks,
         opt.config.mask_zero_variance, opt.communicator, spare, opt.policy.keeps_variance)
     opt._unit_of = {p: u for u in opt._units for p in u.params}
+    _say_if_compact_errors_save_nothing(opt)
     # The step counters become views of one tensor: one add and one read a step for all of
     # them (a foreach add, a stack and a read of some 100 scalar tensors cost ~0.7 ms).
     trainable = opt._trainable()
@@ -49,6 +54,25 @@ def build_units(opt) -> None:
     if local is not None:
         opt.local_steps = local_steps.LocalSteps(opt._units, opt._fp32_of, opt.param_groups)
         opt.local_steps.load_state_dict(local, opt._units)
+
+
+def _say_if_compact_errors_save_nothing(opt) -> None:
+    """bf16 errors halve the errors of every unit, (2 + 2/W) bytes per value saved, but widen
+    one unit at a time into fp32 scratch, (4 + 4/W) bytes per value of the largest unit: they
+    save memory only when the largest unit holds less than half of the values. Said once, on
+    rank 0, at the build."""
+    if opt.config.error_dtype == "float32" or not opt._units or opt._rank != 0 or \
+            not opt._units[0].errors:
+        return
+    largest = max(u.momentum.numel() for u in opt._units)
+    total = sum(u.momentum.numel() for u in opt._units)
+    if 2 * largest >= total:
+        log.warning(
+            "onebit: error_dtype='bfloat16' saves no memory here: the largest momentum unit "
+            "holds %d of the %d values, and the fp32 scratch it is widened into each call "
+            "outweighs what halving the errors saves (it saves memory when the largest unit is "
+            "below half of the values: a smaller bucket_cap_mb, or a larger model); with "
+            "error_dtype='float32' this run would hold less", largest, total)
 
 
 def momentum_step(opt) -> None:
@@ -115,7 +139,8 @@ def frozen_update(opt, counts: list[float], *, averaged: bool) -> None:
             masters=([opt._master(p, opt.state[p]) for p in params]
                      if opt.config.master_weights else None),
             averaged=([u.averaged(p) for u, p in zip(units, params, strict=True)]
-                      if averaged else None))
+                      if averaged else None),
+            states=[opt.state[p] for p in params])
 
 
 def update_rows(opt) -> tuple[list, torch.Tensor | None]:

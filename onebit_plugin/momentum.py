@@ -230,8 +230,11 @@ class MomentumUnit:
 
     def load_state_dict(self, state: dict) -> None:
         """Load this rank's error buffers; those of masked coordinates are cleared (the mask may
-        have changed since they were saved)."""
-        if state["numel"] != self.momentum.numel() or set(state) - {"numel"} != set(self.errors):
+        have changed since they were saved). Errors saved in another ``error_dtype`` are
+        converted (``checkpoint.load_unit_errors`` says so): fp32 to bf16 rounded to nearest
+        once, bf16 to fp32 exactly; the count of stochastic roundings restarts from 0."""
+        names = set(state) - {"numel", "draws"}
+        if state["numel"] != self.momentum.numel() or names != set(self.errors) - {"draws"}:
             raise ValueError(
                 f"saved momentum-unit state ({state['numel']} values, errors "
                 f"{sorted(set(state) - {'numel'})}) does not fit this unit "
@@ -240,7 +243,10 @@ class MomentumUnit:
                 "error_dtype"
             )
         for name, e in self.errors.items():
-            e.copy_(state[name])
+            if name in state:
+                e.copy_(state[name])
+            else:  # draws, saved with fp32 errors
+                e.zero_()
         self.plan.clear_masked_(self.errors)
 
 

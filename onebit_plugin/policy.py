@@ -99,11 +99,18 @@ class Policy:
         raise NotImplementedError
 
     def compression_update_(self, group: dict, params: list[torch.Tensor], exp_avgs, denoms,
-                            counts: list[float], *, bounded: bool, masters, averaged) -> None:
+                            counts: list[float], *, bounded: bool, masters, averaged,
+                            states) -> None:
         """The compression stage's update of ``params``: ``averaged`` (the averaged momenta,
         or their parts still encoded) becomes ``exp_avgs``, and the parameters move by it over
-        the frozen ``denoms`` (sqrt(v_hat) + eps); ``counts``: their step counts."""
+        the frozen ``denoms`` (sqrt(v_hat) + eps); ``counts``: their step counts; ``states``:
+        their optimizer state dicts (a member's own entries)."""
         raise NotImplementedError
+
+    def freeze_(self, state: dict) -> None:
+        """At the end of the exact stage, per trainable parameter (its optimizer state, whose
+        variance becomes the frozen denominator when the compression stage starts): what the
+        member keeps of it. Nothing by default."""
 
     def stage_changes(self, applied: int, freeze_due: Callable[[int], bool]) -> bool:
         """After applied step ``applied`` of the exact stage: whether the compression stage
@@ -144,7 +151,7 @@ class AdamPolicy(Policy):
                      decoupled=group["decoupled_weight_decay"], masters=masters)
 
     def compression_update_(self, group, params, exp_avgs, denoms, counts, *, bounded, masters,
-                            averaged) -> None:
+                            averaged, states) -> None:
         frozen_update_(params, exp_avgs, denoms, counts, lr=group["lr"],
                        beta1=group["betas"][0], weight_decay=group["weight_decay"],
                        decoupled=group["decoupled_weight_decay"], bounded=bounded,

@@ -3,6 +3,7 @@ is unbiased and lands on a neighbour, error feedback still cancels the compressi
 calls, the optimizer keeps half the error bytes, and a run resumes bit for bit."""
 
 import functools
+import logging
 
 import pytest
 import torch
@@ -127,3 +128,51 @@ def test_compact_errors_halve_the_error_bytes_stay_near_fp32_errors_and_resume_b
     # ranks in lockstep
     for a, b in zip(compact[0][0][-1], compact[1][0][-1], strict=True):
         assert torch.equal(a, b)
+
+
+class _Said(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+def _switch_run(rank, world, ckpt, cap):
+    """Compression stage on fp32 errors, saved; resumed with bf16 errors (several units, or
+    one: ``cap``); what was said, and the errors before and after."""
+    said = _Said()
+    logging.getLogger("onebit_plugin").addHandler(said)
+    torch.manual_seed(0)  # no parameter holds half of the values
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                          nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2, bucket_cap_mb=cap)
+    for step in range(4):
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(torch.randn(32, 16, generator=gen)),
+                                    torch.randint(0, 4, (32,), generator=gen)).backward()
+        opt.step()
+    torch.save(opt.state_dict(), f"{ckpt}.{rank}")
+    saved = [u.errors["worker"].clone() for u in opt.units]
+    compact = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2, bucket_cap_mb=cap,
+                         error_dtype="bfloat16")
+    compact.load_state_dict(torch.load(f"{ckpt}.{rank}", weights_only=True))
+    loaded = [u.errors["worker"].clone() for u in compact.units]
+    return said.lines, saved, loaded
+
+
+def test_errors_saved_in_fp32_resume_as_bf16_said_and_compact_errors_that_save_nothing_said(
+        tmp_path):
+    for lines, saved, loaded in run_ranks(_switch_run, 2, str(tmp_path / "c"), 0.001):
+        assert len(saved) > 2
+        assert sum("converted (rounded to nearest once)" in line for line in lines) == 1
+        for a, b in zip(saved, loaded, strict=True):
+            assert b.dtype == torch.bfloat16 and torch.equal(a.to(torch.bfloat16), b)
+        assert not any("saves no memory" in line for line in lines)
+    # One unit for the whole model: its fp32 scratch outweighs halving the errors (rank 0 says).
+    (lines0, saved, _), (lines1, _, _) = run_ranks(_switch_run, 2, str(tmp_path / "d"), None)
+    assert len(saved) == 1
+    assert sum("saves no memory" in line for line in lines0) == 1
+    assert not any("saves no memory" in line for line in lines1)
