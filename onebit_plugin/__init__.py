@@ -1,11 +1,13 @@
-"""onebit-plugin: 1-bit Adam (Tang et al., ICML 2021) and 0/1 Adam (Lu et al., ICLR 2023) for
-PyTorch.
+"""onebit-plugin: 1-bit Adam (Tang et al., ICML 2021), 0/1 Adam (Lu et al., ICLR 2023) and 1-bit
+LAMB (Li et al., 2021) for PyTorch.
 
 ``OneBitAdam`` is a ``torch.optim.Optimizer``: Adam during a warm-up, then Adam with a frozen
 variance whose momentum is averaged across ranks by ``compressed_allreduce`` -- 1-bit signs with
 error feedback on the worker and the server side, about 1/32 of an fp32 allreduce's bytes.
 ``ZeroOneAdam`` refreshes the variance on a few full-precision steps instead of freezing it
-after a long warm-up, then takes local steps between 1-bit syncs.
+after a long warm-up, then takes local steps between 1-bit syncs. ``OneBitLamb`` is LAMB with
+the same compressed momentum. ``from_deepspeed_config`` builds any of them from a DeepSpeed
+config.
 """
 
 from onebit_plugin.allreduce import CommunicationError, ExactAllreduce, OneBitAllreduce
@@ -13,7 +15,9 @@ from onebit_plugin.base import OneBitOptimizer
 from onebit_plugin.compression import ChunkLayout
 from onebit_plugin.config import OneBitConfig, settings_from_env
 from onebit_plugin.ddp_hook import OneBitHookState, onebit_hook, register_onebit_hook
+from onebit_plugin.deepspeed_config import from_deepspeed_config
 from onebit_plugin.deferred import fold_gradient_
+from onebit_plugin.lamb import LambPolicy, OneBitLamb
 from onebit_plugin.lockstep import LockstepError, check_lockstep
 from onebit_plugin.momentum import MomentumUnit
 from onebit_plugin.optimizer import OneBitAdam
@@ -30,12 +34,14 @@ __all__ = [
     "ExactAllreduce",
     "ExactMomentum",
     "Exchange",
+    "LambPolicy",
     "LockstepError",
     "MomentumUnit",
     "OneBitAdam",
     "OneBitAllreduce",
     "OneBitConfig",
     "OneBitHookState",
+    "OneBitLamb",
     "OneBitMomentum",
     "OneBitOptimizer",
     "Policy",
@@ -45,6 +51,7 @@ __all__ = [
     "check_lockstep",
     "compressed_allreduce",
     "fold_gradient_",
+    "from_deepspeed_config",
     "frozen_denominator",
     "frozen_update_",
     "onebit_hook",

@@ -1,0 +1,171 @@
+"""1-bit LAMB (issue 31): the warm-up is LAMB as the paper writes it (a reference written here
+from the algorithm, not from the code under test), parameters with no elements or zero norms
+are fine, the compression stage's factor is clipped as specified, and on 2 ranks the stage
+runs in lockstep, stays near the exact-momentum run and resumes bit for bit in both stages."""
+
+import functools
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from onebit_plugin import OneBitLamb, check_lockstep, register_onebit_hook
+from onebit_plugin.lamb_update import lamb_factor
+from tests.dist_helpers import run_ranks
+
+
+def reference_lamb(params, grads_per_step, *, lr, betas, eps, wd, max_coeff=10.0,
+                   min_coeff=0.01):
+    """LAMB (You et al., 2020, Algorithm 2; Adam's bias corrections), one tensor at a time,
+    in float64: the parameters after each step."""
+    b1, b2 = betas
+    p = [q.detach().double().clone() for q in params]
+    m = [torch.zeros_like(q) for q in p]
+    v = [torch.zeros_like(q) for q in p]
+    out = []
+    for t, grads in enumerate(grads_per_step, start=1):
+        for i, g in enumerate(grads):
+            g = g.double()
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g * g
+            u = (m[i] / (1 - b1**t)) / ((v[i] / (1 - b2**t)).sqrt() + eps) + wd * p[i]
+            wn, un = p[i].norm().item(), u.norm().item()
+            ratio = min(max(wn / un, min_coeff), max_coeff) if wn > 0 and un > 0 else 1.0
+            p[i] = p[i] - lr * ratio * u
+        out.append([q.clone() for q in p])
+    return out
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _grads(step, rank=0):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 8, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.01])
+def test_the_warm_up_is_lamb(wd):
+    model = _model()
+    opt = OneBitLamb(model.parameters(), lr=1e-2, weight_decay=wd, freeze_step=100)
+    params = list(model.parameters())
+    start = [p.detach().clone() for p in params]
+    seen, after = [], []
+    for step in range(12):
+        x, y = _grads(step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        seen.append([p.grad.clone() for p in params])
+        opt.step()
+        after.append([p.detach().clone() for p in params])
+    ref = reference_lamb(start, seen, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, wd=wd)
+    for got, want in zip(after, ref, strict=True):
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
+    # The ratios differ between layers: LAMB's point.
+    coeffs = opt.lamb_coeffs()
+    assert max(coeffs) > 1.5 * min(coeffs) > 0
+
+
+def test_empty_and_zero_parameters_step_without_nan():
+    torch.manual_seed(0)
+    empty = nn.Parameter(torch.empty(0))
+    zero = nn.Parameter(torch.zeros(5))
+    w = nn.Parameter(torch.randn(5))
+    opt = OneBitLamb([empty, zero, w], lr=1e-2, freeze_step=3)
+    for _ in range(6):
+        opt.zero_grad()
+        ((w * zero).sum() + (w ** 2).sum() + empty.sum()).backward()
+        opt.step()
+    assert opt.stage == "compression"
+    for p in (empty, zero, w):
+        assert torch.isfinite(p).all()
+    assert not torch.equal(zero.detach(), torch.zeros(5))  # a zero norm takes the ratio 1
+    assert all(math.isfinite(c) for c in opt.lamb_coeffs())
+
+
+def test_the_factor_is_clipped_to_its_bounds_and_to_its_relative_change():
+    ones = torch.ones(4)
+    args = dict(weight_decay=0.0, factor_min=0.5, factor_max=4.0, factor_threshold=0.1)
+    # The fresh variance shrank 100x (denominator ratio 10): 4.0 at most, and +10% per step.
+    assert lamb_factor(ones * 10, ones, ones, ones, last=1.0, **args) == pytest.approx(1.1)
+    assert lamb_factor(ones * 10, ones, ones, ones, last=3.9, **args) == 4.0
+    assert lamb_factor(ones * 0.1, ones, ones, ones, last=1.0, **args) == pytest.approx(0.9)
+    assert lamb_factor(ones * 0.1, ones, ones, ones, last=0.52, **args) == 0.5
+    assert lamb_factor(torch.tensor([1.0, 1.05]), ones[:2], ones[:2], ones[:2], last=1.0,
+                       **args) == pytest.approx(1.05)  # the largest ratio of the tensor
+    assert lamb_factor(torch.empty(0), torch.empty(0), torch.empty(0), torch.empty(0),
+                       last=1.0, **args) == 1.0
+
+
+def _run(rank, world, steps, *, compress=True, save_at=None, ckpt=None, load=None,
+         ddp=True):
+    model = _model()
+    net = DDP(model, bucket_cap_mb=0.001, gradient_as_bucket_view=True) if ddp else model
+    opt = OneBitLamb(model.parameters(), lr=1e-2, weight_decay=0.01, freeze_step=6,
+                     compress_momentum=compress, bucket_cap_mb=0.001)
+    if ddp:
+        register_onebit_hook(net, opt)
+    start = 0
+    if load is not None:
+        saved = torch.load(f"{load}.{rank}", weights_only=True)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        start = saved["step"]
+    trace = []
+    for step in range(start, steps):
+        x, y = _grads(step, rank)
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        check_lockstep(model.parameters(), opt)
+        trace.append([p.detach().clone() for p in model.parameters()])
+        if step + 1 == save_at:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                        "step": step + 1}, f"{ckpt}.{rank}")
+    return trace, opt.stage, opt.bytes_sent, opt.dense_bytes
+
+
+def test_two_ranks_compress_in_lockstep_near_the_exact_momentum_run():
+    onebit = run_ranks(functools.partial(_run, compress=True), 2, 30)
+    exact = run_ranks(functools.partial(_run, compress=False), 2, 30)
+    alone = run_ranks(functools.partial(_run, compress=True, ddp=False), 2, 30)
+    (trace, stage, sent, _), (e_trace, _, e_sent, _) = onebit[0], exact[0]
+    assert stage == "compression" and sent < e_sent
+    # the same without DDP (the optimizer averages itself): the same numbers
+    for a, b in zip(trace[-1], alone[0][0][-1], strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(trace[5], e_trace[5], strict=True):  # the warm-up is the same
+        assert torch.equal(a, b)
+    moved = sum(float((a - b).norm()) for a, b in zip(e_trace[-1], e_trace[5], strict=True))
+    apart = sum(float((a - b).norm()) for a, b in zip(trace[-1], e_trace[-1], strict=True))
+    assert 0 < apart < 0.5 * moved, (apart, moved)
+
+
+@pytest.mark.parametrize("save_at", [4, 10])  # warm-up, compression stage
+def test_resume_is_bitwise_in_both_stages(tmp_path, save_at):
+    ckpt = str(tmp_path / "c")
+    whole = run_ranks(functools.partial(_run, save_at=save_at, ckpt=ckpt), 2, 16)
+    resumed = run_ranks(functools.partial(_run, load=ckpt), 2, 16)
+    for r in range(2):
+        for a, b in zip(whole[r][0][save_at:], resumed[r][0], strict=True):
+            assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
+
+
+def test_bf16_parameters_with_master_weights_stay_finite_and_move():
+    model = _model().to(torch.bfloat16)
+    opt = OneBitLamb(model.parameters(), lr=1e-3, freeze_step=3, master_weights=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    for step in range(8):
+        x, y = _grads(step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x.to(torch.bfloat16)).float(), y).backward()
+        opt.step()
+    assert opt.stage == "compression"
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert torch.isfinite(p).all() and not torch.equal(p, b)
+        assert opt.state[p]["master"].dtype == torch.float32
