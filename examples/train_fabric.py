@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from lightning.fabric import Fabric
 
-from onebit_plugin import OneBitAdam, ZeroOneAdam
+from onebit_plugin import OneBitAdam, OneBitLamb, ZeroOneAdam
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from charlm import (  # noqa: E402
@@ -37,8 +37,10 @@ from wire import WireLog  # noqa: E402
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--optimizer", choices=["onebit", "zero_one", "adamw"], default="onebit",
-                   help="onebit: OneBitAdam; zero_one: ZeroOneAdam (0/1 Adam); adamw: DDP + AdamW")
+    p.add_argument("--optimizer", choices=["onebit", "zero_one", "lamb", "adamw"],
+                   default="onebit",
+                   help="onebit: OneBitAdam; zero_one: ZeroOneAdam (0/1 Adam); lamb: OneBitLamb "
+                        "(1-bit LAMB); adamw: DDP + AdamW")
     p.add_argument("--var-freeze-step", type=freeze_step_arg, default="auto",
                    help="ZeroOneAdam's last step of variance refreshes (int or auto)")
     p.add_argument("--local-step-scaler", type=freeze_step_arg, default="auto",
@@ -76,6 +78,9 @@ def main(argv=None) -> None:
                                 var_freeze_step=args.var_freeze_step,
                                 local_step_scaler=args.local_step_scaler,
                                 total_steps=args.steps, bound_update=not args.no_bound)
+    elif args.optimizer == "lamb":
+        optimizer = OneBitLamb(model.parameters(), lr=args.lr, weight_decay=0.01,
+                               freeze_step=args.freeze_step, total_steps=args.steps)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     model, optimizer = fabric.setup(model, optimizer)

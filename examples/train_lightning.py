@@ -2,6 +2,7 @@
 
     python examples/train_lightning.py --devices 2 --steps 300 --freeze-step 60
     python examples/train_lightning.py --devices 2 --optimizer zero_one  # 0/1 Adam
+    python examples/train_lightning.py --devices 2 --optimizer lamb      # 1-bit LAMB
     python examples/train_lightning.py --devices 2 --optimizer adam     # DDP + torch Adam
 
 Runs on CPU (gloo) by default and on GPUs unchanged (``--accelerator gpu``). Lightning starts
@@ -22,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import onebit_plugin  # noqa: F401 -- registers strategy="onebit_adam"
-from onebit_plugin import OneBitAdam, ZeroOneAdam
+from onebit_plugin import OneBitAdam, OneBitLamb, ZeroOneAdam
 from onebit_plugin.integrations.lightning import OneBitAdamCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -109,14 +110,19 @@ class CharModule(pl.LightningModule):
             return ZeroOneAdam(self.parameters(), lr=a.lr, var_freeze_step=a.var_freeze_step,
                                local_step_scaler=a.local_step_scaler,
                                comm_timeout=a.comm_timeout)
+        if a.optimizer == "lamb":
+            return OneBitLamb(self.parameters(), lr=a.lr, weight_decay=0.01,
+                              freeze_step=a.freeze_step, comm_timeout=a.comm_timeout)
         return OneBitAdam(self.parameters(), lr=a.lr, freeze_step=a.freeze_step,
                           comm_timeout=a.comm_timeout)
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--optimizer", choices=["onebit", "zero_one", "adam"], default="onebit",
-                   help="onebit: OneBitAdam; zero_one: ZeroOneAdam (0/1 Adam); adam: DDP + Adam")
+    p.add_argument("--optimizer", choices=["onebit", "zero_one", "lamb", "adam"],
+                   default="onebit",
+                   help="onebit: OneBitAdam; zero_one: ZeroOneAdam (0/1 Adam); lamb: OneBitLamb "
+                        "(1-bit LAMB); adam: DDP + Adam")
     p.add_argument("--strategy", default="onebit_adam",
                    choices=["onebit_adam", "onebit_adam_spawn", "onebit_adam_fork"],
                    help="how Lightning starts the processes (with --optimizer onebit)")

@@ -22,9 +22,10 @@ Settings, all read from the environment when ``prepare()`` runs:
   settled, at most at 20% of ``ONEBIT_TOTAL_STEPS``; a ``transformers.Trainer`` fills that in
   from its ``max_steps``); required when on;
 * ``ONEBIT_TOTAL_STEPS``: the run's optimizer steps, for ``auto``;
-* ``ONEBIT_OPTIMIZER``: ``onebit_adam`` (default) or ``zero_one_adam`` (``ZeroOneAdam``, 0/1
+* ``ONEBIT_OPTIMIZER``: ``onebit_adam`` (default), ``zero_one_adam`` (``ZeroOneAdam``, 0/1
   Adam: no ``ONEBIT_FREEZE_STEP``; ``ONEBIT_VAR_FREEZE_STEP`` and ``ONEBIT_LOCAL_STEP_SCALER``,
-  each an int or ``auto``, the default, which needs the run's length);
+  each an int or ``auto``, the default, which needs the run's length) or ``onebit_lamb``
+  (``OneBitLamb``, 1-bit LAMB, with ``ONEBIT_FREEZE_STEP``);
 * ``ONEBIT_MAX_BLOCK`` (default 2048), ``ONEBIT_SCALE`` (``rms``/``mean``),
   ``ONEBIT_OVERLAP`` (default 1; 0 compresses in ``optimizer.step()`` instead of inside
   backward), ``ONEBIT_TIMEOUT`` (seconds a compressed allreduce may take before the step
@@ -53,7 +54,7 @@ import accelerate
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from onebit_plugin import OneBitAdam, OneBitOptimizer, ZeroOneAdam
+from onebit_plugin import OneBitAdam, OneBitLamb, OneBitOptimizer, ZeroOneAdam
 from onebit_plugin.config import EnvSettings
 from onebit_plugin.ddp_hook import OneBitHookState, register_onebit_hook
 from onebit_plugin.integrations.ddp_strategies import say_at_exit_if_uncompressed
@@ -67,12 +68,14 @@ log = logging.getLogger("onebit_plugin")
 OneBitSettings = EnvSettings
 
 
-MEMBER_CLASSES = {"onebit_adam": OneBitAdam, "zero_one_adam": ZeroOneAdam}
+MEMBER_CLASSES = {"onebit_adam": OneBitAdam, "zero_one_adam": ZeroOneAdam,
+                  "onebit_lamb": OneBitLamb}
 
 
 def to_member(optimizer: torch.optim.Optimizer, settings: OneBitSettings) -> OneBitOptimizer:
     """The member ``settings.optimizer`` names (``ONEBIT_OPTIMIZER``: OneBitAdam by default,
-    or ZeroOneAdam) over ``optimizer``'s own param-group dicts (Adam or AdamW only)."""
+    ZeroOneAdam or OneBitLamb) over ``optimizer``'s own param-group dicts (Adam or AdamW
+    only)."""
     member = MEMBER_CLASSES[settings.optimizer]
     if isinstance(optimizer, OneBitOptimizer):
         return optimizer
@@ -90,10 +93,17 @@ def to_member(optimizer: torch.optim.Optimizer, settings: OneBitSettings) -> One
         g.get("decoupled_weight_decay") for g in optimizer.param_groups
     )
     first = optimizer.param_groups[0]
+    decay = {"decoupled_weight_decay": decoupled}
+    if member is OneBitLamb:  # LAMB adds its decay to the update, before the trust ratio
+        decay = {}
+        log.info("onebit: %s becomes OneBitLamb with its lr, betas, eps and weight_decay: LAMB "
+                 "moves each layer by lr times its trust ratio (a fraction of the layer's "
+                 "norm), so Adam's lr is rarely LAMB's; its weight decay is added to the update",
+                 type(optimizer).__name__)
     # The same dicts: an LR scheduler that edits them drives the new optimizer.
     return member(
         optimizer.param_groups, lr=first["lr"], betas=first["betas"], eps=first["eps"],
-        weight_decay=first["weight_decay"], decoupled_weight_decay=decoupled,
+        weight_decay=first["weight_decay"], **decay,
         # A transformers.Trainer leaves its max_steps here (transformers_trainer).
         **settings.member_options(settings.total_steps or getattr(
             optimizer, "onebit_total_steps", None)),

@@ -29,12 +29,14 @@ BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="onebit-run", description=__doc__.split("\n\n")[0],
-        usage="onebit-run [--optimizer onebit_adam|zero_one_adam] [--freeze-step N|auto] "
+        usage="onebit-run [--optimizer onebit_adam|zero_one_adam|onebit_lamb] "
+              "[--freeze-step N|auto] "
               "[--var-freeze-step N|auto] [--local-step-scaler N|auto] [--total-steps N] "
               "COMMAND [ARGS ...]")
     parser.add_argument("--optimizer", choices=MEMBERS,
-                        help="the member that replaces Adam/AdamW: onebit_adam (default) or "
-                             "zero_one_adam (0/1 Adam; else ONEBIT_OPTIMIZER)")
+                        help="the member that replaces Adam/AdamW: onebit_adam (default), "
+                             "zero_one_adam (0/1 Adam) or onebit_lamb (1-bit LAMB); else "
+                             "ONEBIT_OPTIMIZER")
     parser.add_argument("--freeze-step",
                         help="uncompressed Adam warm-up steps, or auto (else ONEBIT_FREEZE_STEP)")
     parser.add_argument("--var-freeze-step",

@@ -154,7 +154,7 @@ VARIABLES = ("ONEBIT_ADAM", "ONEBIT_OPTIMIZER", "ONEBIT_FREEZE_STEP", "ONEBIT_VA
              "ONEBIT_SCALE", "ONEBIT_OVERLAP", "ONEBIT_TIMEOUT", "ONEBIT_BOUND_UPDATE",
              "ONEBIT_MASTER_WEIGHTS", "ONEBIT_ERROR_DTYPE", "ONEBIT_CPU_KERNEL")
 # ONEBIT_OPTIMIZER: the member that replaces Adam/AdamW (1-bit Adam, or 0/1 Adam).
-MEMBERS = ("onebit_adam", "zero_one_adam")
+MEMBERS = ("onebit_adam", "zero_one_adam", "onebit_lamb")
 # The variable of each config field it sets: a ValueError about the field names the variable.
 _FIELD_VARIABLES = {"freeze_step": "ONEBIT_FREEZE_STEP", "total_steps": "ONEBIT_TOTAL_STEPS",
                     "max_block": "ONEBIT_MAX_BLOCK", "scale": "ONEBIT_SCALE",
@@ -222,6 +222,8 @@ class EnvSettings:
         """The keyword arguments of the member's constructor beside its hyperparameters (0/1
         Adam's are its schedule and the family's options; its exact stage is its own)."""
         options = self.config.replace(total_steps=total_steps).options()
+        if self.optimizer == "onebit_lamb":  # its trust ratio bounds every step
+            del options["bound_update"]
         if self.optimizer == "zero_one_adam":
             del options["freeze_step"], options["compress_momentum"]
             options.update(var_freeze_step=self.var_freeze_step,
@@ -271,7 +273,11 @@ def settings_from_env() -> EnvSettings | None:
 
         # The family's config holds the member's exact stage.
         freeze = str(exact_steps(schedule["var_freeze_step"], 16))
-    elif {"ONEBIT_VAR_FREEZE_STEP", "ONEBIT_LOCAL_STEP_SCALER"} & set(os.environ):
+    elif member == "onebit_lamb" and "ONEBIT_BOUND_UPDATE" in os.environ:
+        raise ValueError("ONEBIT_BOUND_UPDATE is 1-bit and 0/1 Adam's: with "
+                         "ONEBIT_OPTIMIZER=onebit_lamb LAMB's trust ratio bounds every step")
+    if member != "zero_one_adam" and \
+            {"ONEBIT_VAR_FREEZE_STEP", "ONEBIT_LOCAL_STEP_SCALER"} & set(os.environ):
         raise ValueError("ONEBIT_VAR_FREEZE_STEP and ONEBIT_LOCAL_STEP_SCALER are 0/1 Adam's "
                          "settings: set ONEBIT_OPTIMIZER=zero_one_adam too")
     if not freeze:

@@ -218,7 +218,11 @@ def test_survivor_exits_when_its_peer_hangs(tmp_path):
     ({"ONEBIT_MASTER_WEIGHTS": "2"}, "ONEBIT_MASTER_WEIGHTS must be 1 or 0"),
     ({"ONEBIT_CPU_KERNEL": "fast"}, "ONEBIT_CPU_KERNEL must be 1 or 0"),
     ({"ONEBIT_OPTIMIZER": "zero_one"}, "ONEBIT_OPTIMIZER must be one of onebit_adam, "
-     "zero_one_adam, got 'zero_one' (did you mean zero_one_adam?)"),
+     "zero_one_adam, onebit_lamb, got 'zero_one' (did you mean zero_one_adam?)"),
+    ({"ONEBIT_OPTIMIZER": "onebit_lamb", "ONEBIT_BOUND_UPDATE": "0"},
+     "ONEBIT_BOUND_UPDATE is 1-bit and 0/1 Adam's"),
+    ({"ONEBIT_OPTIMIZER": "onebit_lamb", "ONEBIT_VAR_FREEZE_STEP": "100"},
+     "are 0/1 Adam's settings: set ONEBIT_OPTIMIZER=zero_one_adam too"),
     ({"ONEBIT_OPTIMIZER": "zero_one_adam"}, "ONEBIT_FREEZE_STEP is 1-bit Adam's warm-up"),
     ({"ONEBIT_VAR_FREEZE_STEP": "100"}, "are 0/1 Adam's settings: set "
      "ONEBIT_OPTIMIZER=zero_one_adam too"),
@@ -278,3 +282,21 @@ def test_zero_one_adam_under_onebit_run_resumes_between_syncs_bitwise(tmp_path):
         for x, y in zip(a["params"], b["params"], strict=True):
             assert torch.equal(x, y)
     assert json.loads((whole / "summary.json").read_text())["steps"] == 30
+
+
+# 1-bit LAMB under onebit-run: the script's AdamW becomes OneBitLamb, LAMB to step 10, then the
+# 1-bit momentum; save_state at step 20 (compression stage) and load_state continue bitwise.
+LAMB = {"ONEBIT_ADAM": "1", "ONEBIT_OPTIMIZER": "onebit_lamb", "ONEBIT_FREEZE_STEP": "10",
+        "ONEBIT_TOTAL_STEPS": "30"}
+
+
+def test_onebit_lamb_under_onebit_run_resumes_bitwise_in_the_compression_stage(tmp_path):
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    _launch(whole, LAMB)
+    _launch(resumed, LAMB, "--save-at", "20", "--explicit-import", launcher=False)
+    ranks = _ranks(whole)
+    assert ranks[0]["optimizer"] == "OneBitLamb"
+    assert_ranks_identical([r["params"] for r in ranks], "parameters")
+    for a, b in zip(ranks, _ranks(resumed), strict=True):
+        for x, y in zip(a["params"], b["params"], strict=True):
+            assert torch.equal(x, y)

@@ -122,3 +122,17 @@ def test_fabric_zero_one_adam_resumed_between_syncs_continues_every_rank_bitwise
     assert_ranks_identical(ends, "parameters after the last step's sync")
     for a, b in zip(ends[0], rank_params(resumed)[0], strict=True):
         assert torch.equal(a, b)
+
+
+def test_fabric_onebit_lamb_resumed_in_the_compression_stage_continues_bitwise(tmp_path):
+    """OneBitLamb through Fabric: LAMB to step 10, saved at step 20 in the compression stage;
+    every rank resumes its own error buffers and the run continues bit for bit."""
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    settings = ("--optimizer", "lamb", "--freeze-step", "10")
+    _fit(whole, *settings, "--save-at", "20")
+    _fit(resumed, *settings, "--resume", str(whole / "checkpoint.ckpt"))
+    assert json.loads((whole / "summary.json").read_text())["optimizer"] == "OneBitLamb"
+    ends = rank_params(whole)
+    assert_ranks_identical(ends, "parameters")
+    for a, b in zip(ends[0], rank_params(resumed)[0], strict=True):
+        assert torch.equal(a, b)

@@ -152,3 +152,21 @@ def test_trainer_under_onebit_run_with_zero_one_adam_resumes_between_syncs_bitwi
     for a, b in zip(ranks, rank_params(resumed), strict=True):
         for x, y in zip(a, b, strict=True):
             assert torch.equal(x, y)
+
+
+def test_trainer_under_onebit_run_with_onebit_lamb_resumes_bitwise(tmp_path):
+    """`onebit-run --optimizer onebit_lamb`: the Trainer's AdamW becomes OneBitLamb, LAMB to
+    step 20, then the 1-bit momentum; the checkpoint at step 60 (compression stage, each rank's
+    errors beside it) resumes the uninterrupted run bit for bit."""
+    lamb = ("--optimizer", "onebit_lamb", "--freeze-step", "20")
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    _launch(whole, True, "--save-steps", "60", launcher=lamb)
+    summary = json.loads((whole / "summary.json").read_text())
+    assert summary["optimizer"] == "OneBitLamb" and summary["steps"] == STEPS
+    ranks = rank_params(whole)
+    assert_ranks_identical(ranks, "parameters")
+    _launch(resumed, True, "--resume", str(whole / "checkpoints" / "checkpoint-60"),
+            launcher=lamb)
+    for a, b in zip(ranks, rank_params(resumed), strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y)

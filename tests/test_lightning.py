@@ -273,6 +273,23 @@ def test_rank_zero_exits_when_its_peer_hangs_and_fit_resumes_from_last(fp32_run,
             assert torch.equal(a, b)
 
 
+# OneBitLamb under the same strategy: LAMB to step 10, then the 1-bit momentum; the run is
+# checkpointed every 5 steps and resumed at step 20, in the compression stage.
+LAMB = ("--optimizer", "lamb", "--freeze-step", "10", "--steps", "30", "--precision", "32-true")
+
+
+def test_onebit_lamb_fits_in_lockstep_and_resumes_bitwise(tmp_path):
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    _fit(whole, *LAMB, "--ckpt-every", "5", "--check-lockstep", "1")
+    ranks = _ranks(whole)
+    assert_ranks_identical([r["params"] for r in ranks], "final parameters")
+    assert [r["lockstep_checks"] for r in ranks] == [30, 30]
+    _fit(resumed, *LAMB, "--resume", str(whole / "ckpt" / "step=20.ckpt"))
+    assert [r["started_at"] for r in _ranks(resumed)] == [20, 20]
+    for a, b in zip(ranks[0]["params"], _ranks(resumed)[0]["params"], strict=True):
+        assert torch.equal(a, b)
+
+
 # ZeroOneAdam under the same strategy: Adam to step 12, then phase B at once (var_freeze_step
 # 12 < var_update_scaler 16), the local interval doubling every 2 steps: steps 13, 14, 16 and
 # 30 (the run's last) sync, the others are local. Step 25 is between syncs.
