@@ -77,6 +77,8 @@ bench: $(STAMP)
 fidelity: $(STAMP)
 	$(PY) -m pip install -q -e ".[dev,bench]"
 	$(PY) benchmarks/fidelity.py
+	$(PY) benchmarks/fidelity.py --workloads large_batch --plot docs/fidelity_lamb_loss_vs_bytes.png \
+		--variants lamb,onebit_lamb,adam_lr1e-3,adam_lr3e-3,adam_lr1e-2
 
 # 0/1 Adam against Adam and 1-bit Adam over 2,000 steps (about 25 minutes on 2 cores): the same
 # three workloads, 3 seeds, 2 gloo ranks; table and plot in docs/benchmarks.md.

@@ -6,7 +6,12 @@ Workloads (offline data only):
 * ``gpt_text``: the char-level GPT of ``examples/charlm.py`` on Python's own documentation text;
 * ``word_embed``: a word-level next-word model over the same text (4,096-word vocabulary, Zipf
   distributed, so most embedding rows are rare; 85% of the parameters are embeddings);
-* ``digits``: an MLP on scikit-learn's bundled ``digits`` images (1,797 8x8 images, 10 classes).
+* ``digits``: an MLP on scikit-learn's bundled ``digits`` images (1,797 8x8 images, 10 classes);
+* ``large_batch`` (1-bit LAMB's, ``--workloads large_batch --variants`` from ``LAMB``): the
+  word-level model at a global batch of 4,096 (2,048 per rank), LAMB's learning rate scaled
+  from the small-batch one by sqrt(4096 / 128), as LAMB's users scale it; compared with LAMB
+  (exact, averaged by DDP's allreduce) and with Adam at three learning rates (its best is the
+  one to read).
 
 Every variant runs the same model, seed, data order and steps under DDP (1-bit Adam through
 ``register_onebit_hook``, fp16 and PowerSGD through torch's own DDP hooks). Bytes are what each
@@ -65,7 +70,11 @@ ZERO_ONE = {"zero_one": {}, "zero_one_local16_early": {"local_step_scaler": 8},
             # (refreshes for the whole run, no phase B).
             "zero_one_sync_every_step": {"local_step_clipper": 1},
             "zero_one_phase_a_only": {"var_freeze_step": 100_000}}
-ALL_VARIANTS = VARIANTS + list(ZERO_ONE)
+# 1-bit LAMB on the large-batch workload: LAMB itself (never frozen), 1-bit LAMB's defaults
+# (freeze_step="auto"), and Adam at three learning rates.
+LAMB = {"lamb": {"freeze_step": 10**9}, "onebit_lamb": {"freeze_step": "auto"}}
+ADAM_LRS = {"adam_lr1e-3": 1e-3, "adam_lr3e-3": 3e-3, "adam_lr1e-2": 1e-2}
+ALL_VARIANTS = VARIANTS + list(ZERO_ONE) + list(LAMB) + list(ADAM_LRS)
 # The collectives a rank calls, counted by wrapping torch.distributed's functions (DDP's own
 # C++ allreduce is not one of them: the plain-Adam variants average through an equal Python
 # hook so that theirs are counted too). "Rounds": calls per optimizer step.
@@ -78,6 +87,8 @@ def reference(variant: str) -> str:
     """The run a variant is compared with."""
     if "bf16" in variant or variant.endswith("compact_errors"):
         return "onebit_auto"
+    if variant in LAMB or variant in ADAM_LRS:
+        return "lamb"
     return "adam_clip" if "clip" in variant else "adam"
 
 
@@ -182,7 +193,14 @@ class Digits:
         return self.loss(model, self.val).item()
 
 
-WORKLOADS = {"gpt_text": GptText, "word_embed": WordEmbed, "digits": Digits}
+class LargeBatch(WordEmbed):
+    # LAMB's lr: word_embed's 3e-3 at a global batch of 128, times sqrt(4096 / 128).
+    lr, batch = 3e-3 * (4096 / 128) ** 0.5, 2048
+
+
+WORKLOADS = {"gpt_text": GptText, "word_embed": WordEmbed, "digits": Digits,
+             "large_batch": LargeBatch}
+STANDARD = ("gpt_text", "word_embed", "digits")
 
 
 # ----------------------------------------------------------------------------- one run
@@ -192,6 +210,16 @@ def _optimizer(variant, ddp, lr):
     from onebit_plugin import OneBitAdam
     from onebit_plugin.ddp_hook import register_onebit_hook
 
+    if variant in LAMB:
+        from onebit_plugin import OneBitLamb
+
+        opt = OneBitLamb(ddp.parameters(), lr=lr, weight_decay=0.01, total_steps=STEPS,
+                         max_skipped_steps=STEPS + 1, **LAMB[variant])
+        register_onebit_hook(ddp, opt)
+        return opt
+    if variant in ADAM_LRS:
+        ddp.register_comm_hook(None, _mean_allreduce)
+        return torch.optim.Adam(ddp.parameters(), lr=ADAM_LRS[variant])
     if variant in ZERO_ONE:
         from onebit_plugin import ZeroOneAdam
 
@@ -361,10 +389,12 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(WORKLOADS), figsize=(5 * len(WORKLOADS), 4))
+    drawn = [w for w in WORKLOADS if any(r["workload"] == w for r in rows)]
+    fig, axes = plt.subplots(1, len(drawn), figsize=(5 * len(drawn), 4), squeeze=False)
+    axes = axes[0]
     # A colour per variant of this run (the full list is longer than the palette).
     present = [v for v in ALL_VARIANTS if any(r["variant"] == v for r in rows)]
-    for ax, workload in zip(axes, WORKLOADS, strict=True):
+    for ax, workload in zip(axes, drawn, strict=True):
         for variant in ALL_VARIANTS:
             mine = [r for r in rows if r["workload"] == workload and r["variant"] == variant]
             finals = [r["val_loss"] for r in mine]
@@ -394,7 +424,7 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--steps", type=int, default=STEPS,
                    help="optimizer steps per run (default %(default)s)")
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--workloads", default=",".join(STANDARD))
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--out", default=None,
                    help="also write the rows to this JSON file (the run's record goes to "

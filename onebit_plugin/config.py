@@ -222,8 +222,6 @@ class EnvSettings:
         """The keyword arguments of the member's constructor beside its hyperparameters (0/1
         Adam's are its schedule and the family's options; its exact stage is its own)."""
         options = self.config.replace(total_steps=total_steps).options()
-        if self.optimizer == "onebit_lamb":  # its trust ratio bounds every step
-            del options["bound_update"]
         if self.optimizer == "zero_one_adam":
             del options["freeze_step"], options["compress_momentum"]
             options.update(var_freeze_step=self.var_freeze_step,
@@ -273,9 +271,6 @@ def settings_from_env() -> EnvSettings | None:
 
         # The family's config holds the member's exact stage.
         freeze = str(exact_steps(schedule["var_freeze_step"], 16))
-    elif member == "onebit_lamb" and "ONEBIT_BOUND_UPDATE" in os.environ:
-        raise ValueError("ONEBIT_BOUND_UPDATE is 1-bit and 0/1 Adam's: with "
-                         "ONEBIT_OPTIMIZER=onebit_lamb LAMB's trust ratio bounds every step")
     if member != "zero_one_adam" and \
             {"ONEBIT_VAR_FREEZE_STEP", "ONEBIT_LOCAL_STEP_SCALER"} & set(os.environ):
         raise ValueError("ONEBIT_VAR_FREEZE_STEP and ONEBIT_LOCAL_STEP_SCALER are 0/1 Adam's "

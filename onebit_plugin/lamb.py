@@ -75,7 +75,7 @@ class LambPolicy(Policy):
             coeffs=[s["lamb_coeff"] for s in states],
             last_factors=[s["last_factor"] for s in states], factor_min=group["factor_min"],
             factor_max=group["factor_max"], factor_threshold=group["factor_threshold"],
-            masters=masters)
+            bounded=bounded, masters=masters)
         for state, factor in zip(states, factors, strict=True):
             state["last_factor"] = factor
 
@@ -114,9 +114,10 @@ class OneBitLamb(OneBitOptimizer):
 
     The family's options (``OneBitAdam``'s docstring): ``total_steps``, ``max_block``,
     ``scale``, ``mask_zero_variance``, ``masks``, ``process_group``, ``average_grads``,
-    ``compress_momentum``, ``comm_timeout``, ``bucket_cap_mb``, ``max_skipped_steps``,
-    ``master_weights``, ``error_dtype``. There is no ``bound_update``: the trust ratio bounds
-    every step.
+    ``compress_momentum``, ``bound_update`` (in the compression stage each coordinate of
+    ``m_hat / denom`` is clamped to +-1, ``onebit_plugin.lamb_update.frozen_lamb_update_``),
+    ``comm_timeout``, ``bucket_cap_mb``, ``max_skipped_steps``, ``master_weights``,
+    ``error_dtype``.
     """
 
     def __init__(
@@ -142,6 +143,7 @@ class OneBitLamb(OneBitOptimizer):
         process_group: dist.ProcessGroup | None = None,
         average_grads: bool = True,
         compress_momentum: bool = True,
+        bound_update: bool = True,
         comm_timeout: float | None = None,
         bucket_cap_mb: float | None = None,
         max_skipped_steps: int = 20,
@@ -153,7 +155,8 @@ class OneBitLamb(OneBitOptimizer):
         config = OneBitConfig(
             freeze_step=freeze_step, total_steps=total_steps, max_block=max_block, scale=scale,
             mask_zero_variance=mask_zero_variance, average_grads=average_grads,
-            compress_momentum=compress_momentum, comm_timeout=comm_timeout,
+            compress_momentum=compress_momentum, bound_update=bound_update,
+            comm_timeout=comm_timeout,
             bucket_cap_mb=bucket_cap_mb, max_skipped_steps=max_skipped_steps,
             master_weights=master_weights, error_dtype=error_dtype)
         # decoupled_weight_decay: the fold of a local gradient into the momentum leaves the

@@ -219,8 +219,6 @@ def test_survivor_exits_when_its_peer_hangs(tmp_path):
     ({"ONEBIT_CPU_KERNEL": "fast"}, "ONEBIT_CPU_KERNEL must be 1 or 0"),
     ({"ONEBIT_OPTIMIZER": "zero_one"}, "ONEBIT_OPTIMIZER must be one of onebit_adam, "
      "zero_one_adam, onebit_lamb, got 'zero_one' (did you mean zero_one_adam?)"),
-    ({"ONEBIT_OPTIMIZER": "onebit_lamb", "ONEBIT_BOUND_UPDATE": "0"},
-     "ONEBIT_BOUND_UPDATE is 1-bit and 0/1 Adam's"),
     ({"ONEBIT_OPTIMIZER": "onebit_lamb", "ONEBIT_VAR_FREEZE_STEP": "100"},
      "are 0/1 Adam's settings: set ONEBIT_OPTIMIZER=zero_one_adam too"),
     ({"ONEBIT_OPTIMIZER": "zero_one_adam"}, "ONEBIT_FREEZE_STEP is 1-bit Adam's warm-up"),
