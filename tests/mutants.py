@@ -257,8 +257,8 @@ MUTANTS = [
        "tests/test_one_path.py::"
        "test_compress_momentum_false_is_the_exact_allreduce_on_every_path"),
     _m("masked-errors-kept-on-load", "row: a changed mask clears masked errors", UNIT,
-       "            e.copy_(state[name])\n        self.plan.clear_masked_(self.errors)",
-       "            e.copy_(state[name])",
+       "                e.zero_()\n        self.plan.clear_masked_(self.errors)",
+       "                e.zero_()",
        "tests/test_one_path.py::test_loading_under_a_changed_mask_clears_masked_errors"),
     Mutant("settings-not-checked-after-resume",
            "row: the settings check runs again after every load_state_dict",
@@ -328,6 +328,31 @@ MUTANTS = [
        '            opt.state[p].pop("exp_avg_sq", None)\n', "",
        "tests/test_memory.py::"
        "test_zero_one_drops_the_variance_when_phase_b_begins_and_keeps_no_fold_buffer"),
+    # 1-bit LAMB and DeepSpeed configs (issue 31)
+    _m("lamb-no-trust-ratio", "row: 1-bit LAMB", "onebit_plugin/lamb_update.py",
+       "        ratio = trust_ratio(p, u, max_coeff=max_coeff, min_coeff=min_coeff)\n",
+       "        ratio = 1.0\n", "tests/test_lamb.py::test_the_warm_up_is_lamb"),
+    _m("lamb-unbounded", "row: 1-bit LAMB", "onebit_plugin/lamb_update.py",
+       "        if bounded:\n            u_adam.clamp_(-1.0, 1.0)",
+       "        if False:\n            u_adam.clamp_(-1.0, 1.0)",
+       "tests/test_lamb.py::"
+       "test_the_bound_keeps_rare_embedding_rows_near_lambs_and_without_it_they_run_away"),
+    _m("lamb-factor-unthresholded", "row: 1-bit LAMB", "onebit_plugin/lamb_update.py",
+       "    return min(max(factor, last * (1.0 - factor_threshold)), "
+       "last * (1.0 + factor_threshold))", "    return factor",
+       "tests/test_lamb.py::test_the_factor_is_clipped_to_its_bounds_and_to_its_relative_change"),
+    _m("lamb-frozen-ratio-raw", "row: 1-bit LAMB", "onebit_plugin/lamb.py",
+       'state.get("lamb_coeff", 0.0) / weight if weight else 1.0',
+       'state.get("lamb_coeff", 0.0) if weight else 1.0',
+       "tests/test_lamb.py::"
+       "test_the_frozen_ratio_is_the_bias_corrected_average_of_the_warm_up_ratios"),
+    _m("deepspeed-unknown-key-accepted", "row: 1-bit LAMB",
+       "onebit_plugin/deepspeed_config.py",
+       "    unknown = sorted(set(given) - set(accepted))", "    unknown = []",
+       "tests/test_deepspeed_config.py::test_bad_configs_are_refused_by_name"),
+    _m("deepspeed-mask-dropped", "row: 1-bit LAMB", "onebit_plugin/deepspeed_config.py",
+       "    masks = _masks_of_groups(params)", "    masks = {}",
+       "tests/test_deepspeed_config.py::test_deepspeeds_momentum_mask_becomes_a_mask"),
     _m("zero-one-hook-sends-in-local-steps", "row: a local step sends nothing", HOOK,
        "    if coming in (LOCAL, SYNC):", "    if False:",
        "tests/test_zero_one.py::"

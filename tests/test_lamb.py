@@ -17,15 +17,17 @@ from tests.dist_helpers import run_ranks
 
 
 def reference_lamb(params, grads_per_step, *, lr, betas, eps, wd, max_coeff=10.0,
-                   min_coeff=0.01):
+                   min_coeff=0.01, ratios=None):
     """LAMB (You et al., 2020, Algorithm 2; Adam's bias corrections), one tensor at a time,
-    in float64: the parameters after each step."""
+    in float64: the parameters after each step (and each step's ratios into ``ratios``)."""
     b1, b2 = betas
     p = [q.detach().double().clone() for q in params]
     m = [torch.zeros_like(q) for q in p]
     v = [torch.zeros_like(q) for q in p]
     out = []
     for t, grads in enumerate(grads_per_step, start=1):
+        if ratios is not None:
+            ratios.append([])
         for i, g in enumerate(grads):
             g = g.double()
             m[i] = b1 * m[i] + (1 - b1) * g
@@ -33,6 +35,8 @@ def reference_lamb(params, grads_per_step, *, lr, betas, eps, wd, max_coeff=10.0
             u = (m[i] / (1 - b1**t)) / ((v[i] / (1 - b2**t)).sqrt() + eps) + wd * p[i]
             wn, un = p[i].norm().item(), u.norm().item()
             ratio = min(max(wn / un, min_coeff), max_coeff) if wn > 0 and un > 0 else 1.0
+            if ratios is not None:
+                ratios[-1].append(ratio)
             p[i] = p[i] - lr * ratio * u
         out.append([q.clone() for q in p])
     return out
@@ -169,3 +173,53 @@ def test_bf16_parameters_with_master_weights_stay_finite_and_move():
     for p, b in zip(model.parameters(), before, strict=True):
         assert torch.isfinite(p).all() and not torch.equal(p, b)
         assert opt.state[p]["master"].dtype == torch.float32
+
+
+def _rare_rows(rank, world, bounded, freeze):
+    """A next-token model over 512 Zipf-distributed tokens: most embedding rows are rare."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(512, 16), nn.Flatten(), nn.Linear(32, 64), nn.GELU(),
+                          nn.Linear(64, 512))
+    opt = OneBitLamb(model.parameters(), lr=2e-2, weight_decay=0.01, freeze_step=freeze,
+                     bound_update=bounded)
+    gen = torch.Generator().manual_seed(rank)
+    zipf = 1.0 / torch.arange(1, 513).float() ** 1.2
+    for _ in range(60):
+        x = torch.multinomial(zipf, 256 * 3, replacement=True, generator=gen).view(256, 3)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[:, :2]), x[:, 2]).backward()
+        opt.step()
+    return float(model[0].weight.detach().abs().max())
+
+
+def test_the_bound_keeps_rare_embedding_rows_near_lambs_and_without_it_they_run_away():
+    """A rare row's frozen variance is tiny; the decoded +-scale of its block over it is a huge
+    step that the frozen trust ratio does not shrink (measured: 404 against LAMB's 4.7)."""
+    lamb = run_ranks(functools.partial(_rare_rows, bounded=True, freeze=10**6), 2)[0]
+    bounded = run_ranks(functools.partial(_rare_rows, bounded=True, freeze=10), 2)[0]
+    unbounded = run_ranks(functools.partial(_rare_rows, bounded=False, freeze=10), 2)[0]
+    assert bounded < 2 * lamb < unbounded / 10, (lamb, bounded, unbounded)
+
+
+def test_the_frozen_ratio_is_the_bias_corrected_average_of_the_warm_up_ratios():
+    """After a 3-step warm-up the frozen ratio is the running average of the reference's ratios
+    divided by 1 - 0.9**3 (DeepSpeed froze the raw average: 27% of it here)."""
+    model = _model()
+    opt = OneBitLamb(model.parameters(), lr=1e-2, freeze_step=3)
+    params = list(model.parameters())
+    start = [p.detach().clone() for p in params]
+    seen = []
+    for step in range(3):
+        x, y = _grads(step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        seen.append([p.grad.clone() for p in params])
+        opt.step()
+    assert opt.stage == "compression"
+    ratios = []
+    reference_lamb(start, seen, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, wd=0.0, ratios=ratios)
+    for i, coeff in enumerate(opt.lamb_coeffs()):
+        average = 0.0
+        for step in range(3):
+            average = 0.9 * average + 0.1 * ratios[step][i]
+        assert coeff == pytest.approx(average / (1 - 0.9**3), rel=1e-4)
