@@ -107,6 +107,9 @@ def test_deepspeeds_tutorial_configs_load_with_their_settings(kind, tmp_path, ca
     if "bias_correction" in params:  # False, which DeepSpeed ignored: a warning
         assert any(r.levelno == logging.WARNING and "bias_correction" in r.getMessage()
                    for r in caplog.records)
+    # and it trains (its warm-up: these freeze after hundreds of steps) on 2 ranks
+    for name, stage, _, losses in run_ranks(_train, 2, kind, params, 6):
+        assert name == kind and stage == "warmup" and all(v == v for v in losses)
 
 
 @pytest.mark.parametrize("section, error", [
