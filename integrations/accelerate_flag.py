@@ -52,6 +52,7 @@ from pathlib import Path
 
 import accelerate
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from onebit_plugin import OneBitAdam, OneBitLamb, OneBitOptimizer, ZeroOneAdam
@@ -96,10 +97,12 @@ def to_member(optimizer: torch.optim.Optimizer, settings: OneBitSettings) -> One
     decay = {"decoupled_weight_decay": decoupled}
     if member is OneBitLamb:  # LAMB adds its decay to the update, before the trust ratio
         decay = {}
-        log.info("onebit: %s becomes OneBitLamb with its lr, betas, eps and weight_decay: LAMB "
-                 "moves each layer by lr times its trust ratio (a fraction of the layer's "
-                 "norm), so Adam's lr is rarely LAMB's; its weight decay is added to the update",
-                 type(optimizer).__name__)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log.warning("onebit: the script's %s becomes OneBitLamb with its lr (%g), betas, "
+                        "eps and weight_decay: LAMB moves each layer by lr times its trust "
+                        "ratio (a fraction of the layer's norm), so Adam's lr is rarely LAMB's; "
+                        "its weight decay is added to the update", type(optimizer).__name__,
+                        first["lr"])
     # The same dicts: an LR scheduler that edits them drives the new optimizer.
     return member(
         optimizer.param_groups, lr=first["lr"], betas=first["betas"], eps=first["eps"],
@@ -137,7 +140,8 @@ def _when(opt) -> str:
                 "not known here: ONEBIT_TOTAL_STEPS or onebit-run --total-steps gives it)")
     if not reaches:
         return (f"never: freeze_step={opt.freeze_step} is at or past the run's "
-                f"{opt.total_steps} optimizer steps, so the whole run is uncompressed Adam")
+                f"{opt.total_steps} optimizer steps, so the whole run is the uncompressed "
+                "warm-up")
     return f"after step {opt.freeze_step} of {opt.total_steps}"
 
 

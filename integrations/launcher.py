@@ -1,4 +1,4 @@
-"""``onebit-run``: 1-bit Adam (or 0/1 Adam) for an unmodified Accelerate or
+"""``onebit-run``: 1-bit Adam (or 0/1 Adam, 1-bit LAMB) for an unmodified Accelerate or
 ``transformers.Trainer`` script, turned on at launch.
 
 Examples::
@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> None:
                              "zero_one_adam (0/1 Adam) or onebit_lamb (1-bit LAMB); else "
                              "ONEBIT_OPTIMIZER")
     parser.add_argument("--freeze-step",
-                        help="uncompressed Adam warm-up steps, or auto (else ONEBIT_FREEZE_STEP)")
+                        help="uncompressed warm-up steps (1-bit Adam, 1-bit LAMB), or auto "
+                             "(else ONEBIT_FREEZE_STEP)")
     parser.add_argument("--var-freeze-step",
                         help="0/1 Adam: its last variance-refresh step, or auto (default)")
     parser.add_argument("--local-step-scaler",

@@ -90,7 +90,8 @@ class OneBitConfig:
     def __post_init__(self) -> None:
         if self.freeze_step is None:
             raise ValueError(
-                "freeze_step is required: the number of uncompressed Adam warm-up steps "
+                "freeze_step is required: the number of uncompressed warm-up steps (Adam, or "
+                "LAMB for OneBitLamb) "
                 "(an int >= 1; 15-25% of the run is typical), or 'auto' (with total_steps, "
                 "frozen at 20% of the run at the latest)"
             )
@@ -278,7 +279,7 @@ def settings_from_env() -> EnvSettings | None:
     if not freeze:
         raise ValueError(
             "ONEBIT_ADAM=1 needs ONEBIT_FREEZE_STEP (or onebit-run --freeze-step N): the number "
-            "of uncompressed Adam warm-up steps (an int >= 1, typically 15-25% of the optimizer "
+            "of uncompressed warm-up steps (an int >= 1, typically 15-25% of the optimizer "
             "steps), or auto")
     fields = dict(
         freeze_step=("auto" if freeze == "auto" else int(freeze) if schedule

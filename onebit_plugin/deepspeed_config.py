@@ -43,13 +43,32 @@ _UNUSED_DEFAULTS = {"bias_correction": True, "eps_inside_sqrt": False, "max_grad
 _UNUSED = {
     "cuda_aware": "the transport is torch.distributed's (any backend)",
     "comm_backend_name": "the transport is torch.distributed's (any backend)",
-    "bias_correction": "DeepSpeed's 1-bit optimizers ignored it too; Adam's bias corrections "
-                       "apply here",
+    "bias_correction": "DeepSpeed's 1-bit optimizers stored it and applied no bias correction "
+                       "either way; here Adam's bias corrections always apply (the steps differ "
+                       "in the first few hundred steps)",
     "eps_inside_sqrt": "DeepSpeed's 1-bit optimizers ignored it too; eps is added to the "
                        "square root",
     "max_grad_norm": "DeepSpeed's 1-bit optimizers ignored it too; clip with the "
                      "integration's clipping (gradient_clip_val, clip_grad_norm_)",
+    "legacy_fusion": "a DeepSpeed engine setting",
 }
+# The config's sections that change training and that the engine applied: said as warnings.
+_ENGINE = {
+    "fp16": "fp16 with dynamic loss scaling: use your trainer's precision (bf16 runs as is; "
+            "fp16 needs a loss scaler of your own)",
+    "bf16": "your trainer's precision (bf16 parameters: master_weights=True)",
+    "scheduler": "your trainer's learning-rate scheduler over this optimizer",
+    "gradient_clipping": "your trainer's clipping (Trainer(gradient_clip_val=...), "
+                         "accelerator.clip_grad_norm_, optimizer.clip_grad_norm_)",
+}
+
+
+def _say(level: int, message: str, *args) -> None:
+    """Once per job: rank 0 of the default group (every rank loads the same config)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        log.log(level, message, *args)
 
 
 def _load(config) -> dict:
@@ -65,23 +84,27 @@ def _load(config) -> dict:
     return config
 
 
-def _masks_of_groups(params: list) -> dict:
+def _masks_of_groups(params: list) -> tuple[list, dict]:
     """DeepSpeed's momentum masks: a param group's ``"exp_avg_mask"`` (each of its parameters'
-    momentum multiplied by it, flattened) becomes ``masks={param: bool}`` (0: masked), and the
-    key leaves the group (torch would keep it there, unused)."""
+    momentum multiplied by it, flattened) becomes ``masks={param: bool}`` (0: masked); the
+    groups handed on are copies without the key (torch would keep it there, unused; the
+    caller's dicts are left as they were)."""
     import torch
 
-    masks = {}
+    masks, out = {}, []
     for group in params:
         if not isinstance(group, dict) or "exp_avg_mask" not in group:
+            out.append(group)
             continue
+        group = dict(group)
         mask = group.pop("exp_avg_mask")
+        out.append(group)
         for p in group["params"]:
             if mask.numel() != p.numel():
                 raise ValueError(f"an exp_avg_mask of {mask.numel()} values is given for a "
                                  f"parameter of shape {tuple(p.shape)}")
             masks[p] = torch.as_tensor(mask).reshape(p.shape) != 0
-    return masks
+    return out, masks
 
 
 def from_deepspeed_config(params, config, **options):
@@ -95,11 +118,17 @@ def from_deepspeed_config(params, config, **options):
     if not isinstance(section, dict) or "type" not in section:
         raise ValueError("the DeepSpeed config has no \"optimizer\" section with a \"type\"")
     others = sorted(set(config) - {"optimizer"}) if section is not config else []
-    if others:
-        log.info("onebit: from_deepspeed_config reads the \"optimizer\" section only; %s "
-                 "belong to the DeepSpeed engine and are not applied (batch sizes, precision "
-                 "and clipping are the trainer's)", ", ".join(others))
-    unknown_top = set(section) - {"type", "params"}
+    for key in others:
+        if key in _ENGINE and config[key] and (not isinstance(config[key], dict) or
+                                               config[key].get("enabled", True)):
+            _say(logging.WARNING, "onebit: the DeepSpeed config's \"%s\" is the engine's and "
+                 "is not applied by from_deepspeed_config: set %s", key, _ENGINE[key])
+    rest = [k for k in others if k not in _ENGINE]
+    if rest:
+        _say(logging.INFO, "onebit: from_deepspeed_config reads the \"optimizer\" section "
+             "only; %s belong to the DeepSpeed engine and are not applied (batch sizes are "
+             "the trainer's)", ", ".join(rest))
+    unknown_top = set(section) - {"type", "params", "legacy_fusion"}
     if unknown_top:
         raise ValueError(f"the optimizer section has unknown key(s) {sorted(unknown_top)}: it "
                          "holds \"type\" and \"params\"")
@@ -108,29 +137,38 @@ def from_deepspeed_config(params, config, **options):
         raise ValueError(f"optimizer type {kind!r} is not one of DeepSpeed's 1-bit optimizers "
                          f"({', '.join(('OneBitAdam', 'ZeroOneAdam', 'OneBitLamb'))})")
     name, accepted = DEEPSPEED_TYPES[kind.lower()]
+    if not isinstance(section.get("params", {}), dict):
+        raise ValueError(f"{kind}: \"params\" must be an object of parameter names, got "
+                         f"{section['params']!r}")
     given = dict(section.get("params", {}))
-    if given.pop("amsgrad", False):
-        raise ValueError(f"{kind}: \"amsgrad\": true is not supported (nor was it by "
-                         "DeepSpeed's 1-bit optimizers)")
+    amsgrad = given.pop("amsgrad", False)
+    if amsgrad is not False:
+        raise ValueError(f"{kind}: \"amsgrad\": {json.dumps(amsgrad)} is not supported (only "
+                         "false; nor was it by DeepSpeed's 1-bit optimizers)")
+    placeholders = sorted(k for k, v in given.items() if v == "auto" and k != "freeze_step"
+                          and not (name == "ZeroOneAdam" and k in ("var_freeze_step",
+                                                                   "local_step_scaler")))
+    if placeholders:
+        raise ValueError(f"{kind}: {placeholders} are \"auto\", the placeholder transformers' "
+                         "DeepSpeed integration fills in from its TrainingArguments: give the "
+                         "numbers")
     unused = {k: given.pop(k) for k in list(given) if k in _UNUSED}
     unknown = sorted(set(given) - set(accepted))
     if unknown:
         raise ValueError(f"{kind}: unknown parameter(s) {unknown}; {name} takes "
                          f"{', '.join(accepted)} (and {', '.join(_UNUSED)}, which are unused)")
     for key, value in unused.items():
-        say = log.warning if key in _UNUSED_DEFAULTS and value != _UNUSED_DEFAULTS[key] \
-            else log.info
-        say("onebit: %s's %r (%r) is accepted and not used: %s", kind, key, value,
-            _UNUSED[key])
-    if config.get("gradient_clipping"):
-        log.warning("onebit: the DeepSpeed config's \"gradient_clipping\": %s is the "
-                    "engine's and is not applied by from_deepspeed_config: set your trainer's "
-                    "clipping (Trainer(gradient_clip_val=...), accelerator.clip_grad_norm_, "
-                    "optimizer.clip_grad_norm_)", config["gradient_clipping"])
+        # A value that would look active (max_grad_norm > 0, eps_inside_sqrt) is a warning.
+        loud = key in ("eps_inside_sqrt", "max_grad_norm") and value != _UNUSED_DEFAULTS[key]
+        _say(logging.WARNING if loud else logging.INFO,
+             "onebit: %s's %r (%r) is accepted and not used: %s", kind, key, value,
+             _UNUSED[key])
     if "betas" in given:
         given["betas"] = tuple(given["betas"])
-    params = list(params)
-    masks = _masks_of_groups(params)
+    for key in sorted(set(options) & set(given)):
+        _say(logging.INFO, "onebit: %s=%r given to from_deepspeed_config replaces the config's "
+             "%r", key, options[key], given.pop(key))
+    params, masks = _masks_of_groups(list(params))
     if masks:
         options = {**options, "masks": {**options.get("masks", {}), **masks}}
     for key, value in _DEFAULTS[kind.lower()].items():

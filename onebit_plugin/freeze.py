@@ -82,7 +82,7 @@ class AutoFreeze:
             if rank == 0:  # said once per job, like the freeze itself
                 log.warning("onebit: freeze_step='auto' without total_steps: the variance freezes "
                             "only once it has settled, which on a short run may be never (all of "
-                            "it uncompressed Adam); pass OneBitAdam(total_steps=...) "
+                            "it the uncompressed warm-up); pass total_steps=... "
                             "(ONEBIT_TOTAL_STEPS for the Accelerate flag) to freeze at 20% of the "
                             "run at the latest")
         reason = self.observe(applied, roots, negligible)

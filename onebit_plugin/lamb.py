@@ -45,6 +45,7 @@ class LambPolicy(Policy):
             min_coeff=group["min_coeff"], masters=masters)
         beta = group["coeff_beta"]
         for state, ratio in zip(states, ratios, strict=True):
+            state["last_ratio"] = ratio
             state.setdefault("lamb_coeff", 0.0)
             state.setdefault("lamb_coeff_weight", 0.0)
             state.setdefault("last_factor", 1.0)
@@ -78,6 +79,7 @@ class LambPolicy(Policy):
             bounded=bounded, masters=masters)
         for state, factor in zip(states, factors, strict=True):
             state["last_factor"] = factor
+            state["last_ratio"] = state["lamb_coeff"] * factor
 
 
 def _check_lamb(max_coeff, min_coeff, coeff_beta, factor_max, factor_min, factor_threshold
@@ -174,6 +176,8 @@ class OneBitLamb(OneBitOptimizer):
         return None if message is None else message.replace("Adam variance", "LAMB variance")
 
     def lamb_coeffs(self) -> list[float]:
-        """Each trainable parameter's trust ratio average (its frozen coefficient once the
-        compression stage runs), in parameter order (DeepSpeed's ``get_lamb_coeffs``)."""
-        return [float(self.state[p].get("lamb_coeff", 0.0)) for p in self._trainable()]
+        """The trust ratio each trainable parameter took at the last step, in parameter order
+        (DeepSpeed's ``get_lamb_coeffs``): LAMB's own in warm-up, the frozen average times the
+        factor in the compression stage (``state[p]["lamb_coeff"]`` holds the average); 1.0
+        for a parameter not stepped yet."""
+        return [float(self.state[p].get("last_ratio", 1.0)) for p in self._trainable()]

@@ -39,7 +39,7 @@ class RunLength:
             low, high = max(1, round(0.15 * total)), max(1, round(0.25 * total))
             log.warning(
                 "onebit: freeze_step=%d is at or past the end of the run (%d optimizer steps): "
-                "the variance never freezes, the whole run is uncompressed Adam and nothing is "
+                "the variance never freezes, the whole run is the uncompressed warm-up and nothing "
                 "compressed. Pass a freeze_step below %d (the paper uses 15-25%% of the run: "
                 "%s here), or freeze_step='auto'", freeze_step, total, total,
                 f"{low}-{high}" if high > low else f"about {low}")

@@ -104,9 +104,8 @@ def test_deepspeeds_tutorial_configs_load_with_their_settings(kind, tmp_path, ca
     said = caplog.text
     assert "'cuda_aware'" in said and "'comm_backend_name'" in said
     assert "gradient_clipping" in said and "not applied" in said
-    if "bias_correction" in params:  # False, which DeepSpeed ignored: a warning
-        assert any(r.levelno == logging.WARNING and "bias_correction" in r.getMessage()
-                   for r in caplog.records)
+    if "bias_correction" in params:  # DeepSpeed's optimizers applied none either way
+        assert "applied no bias correction" in said
     # and it trains (its warm-up: these freeze after hundreds of steps) on 2 ranks
     for name, stage, _, losses in run_ranks(_train, 2, kind, params, 6):
         assert name == kind and stage == "warmup" and all(v == v for v in losses)
@@ -119,6 +118,11 @@ def test_deepspeeds_tutorial_configs_load_with_their_settings(kind, tmp_path, ca
     ({"type": "OneBitLamb", "params": {"lr": 1e-3, "freeze_step": 2, "var_freeze_step": 3}},
      "unknown parameter(s) ['var_freeze_step']"),
     ({"type": "OneBitAdam", "params": {"lr": 1e-3, "amsgrad": True}}, "amsgrad"),
+    ({"type": "OneBitAdam", "params": {"lr": 1e-3, "amsgrad": "false"}},
+     '"amsgrad": "false" is not supported'),
+    ({"type": "OneBitAdam", "params": [1]}, '"params" must be an object'),
+    ({"type": "OneBitLamb", "params": {"lr": "auto", "freeze_step": 5}},
+     "the placeholder transformers' DeepSpeed integration fills in"),
     ({"type": "OneBitAdam", "params": {}, "scheduler": {}}, "unknown key(s) ['scheduler']"),
     ({"params": {"lr": 1e-3}}, "no \"optimizer\" section"),
 ])
@@ -126,6 +130,20 @@ def test_bad_configs_are_refused_by_name(section, error):
     with pytest.raises(ValueError) as info:
         from_deepspeed_config(nn.Linear(2, 2).parameters(), {"optimizer": section})
     assert error in str(info.value)
+
+
+def test_engine_sections_that_change_training_are_warned_and_the_call_overrides(caplog):
+    config = _config("OneBitLamb", TUTORIALS["OneBitLamb"])
+    config["fp16"]["enabled"] = True
+    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 100}}
+    with caplog.at_level(logging.INFO, logger="onebit_plugin"):
+        opt = from_deepspeed_config(nn.Linear(2, 2).parameters(), config, freeze_step=5)
+    assert opt.freeze_step == 5  # the call's, not the config's 1000, and said
+    warned = {r.getMessage().split('"')[1] for r in caplog.records
+              if r.levelno == logging.WARNING and "is the engine's" in r.getMessage()}
+    assert warned == {"fp16", "scheduler", "gradient_clipping"}
+    assert "freeze_step=5 given to from_deepspeed_config replaces the config's 1000" in \
+        caplog.text
 
 
 def test_deepspeeds_momentum_mask_becomes_a_mask():
@@ -139,6 +157,7 @@ def test_deepspeeds_momentum_mask_becomes_a_mask():
               {"params": [model.bias], "weight_decay": 0.01}]
     opt = from_deepspeed_config(groups, _config("OneBitAdam", UNIT_TESTS["OneBitAdam"]))
     assert "exp_avg_mask" not in opt.param_groups[0]
+    assert "exp_avg_mask" in groups[0]  # the caller's dicts are left as they were
     for _ in range(4):
         opt.zero_grad()
         model(torch.randn(8, 10)).square().sum().backward()
