@@ -53,6 +53,7 @@ from record import append_run, shown  # noqa: E402 - benchmarks/record.py
 from wire import written  # noqa: E402
 
 STEPS = 240
+LR = None  # --lr: replaces the workloads' own
 FIXED_FREEZE = 40  # 17% of the run, inside the paper's 15-25%
 CLIP = 1.0  # clip_grad_norm_'s max_norm in the *_clip variants (transformers' default)
 VARIANTS = ["adam", "onebit_fixed", "onebit_auto", "onebit_auto_unbounded", "fp16", "powersgd",
@@ -283,7 +284,7 @@ def _rank(rank, world, port, workload, variant, seed, queue):
         # threads: with two buckets their order differs between ranks (gloo: "Received data
         # size doesn't match expected size"). One bucket keeps one chain.
         ddp = DDP(model, bucket_cap_mb=1000) if variant == "powersgd" else DDP(model)
-        opt = _optimizer(variant, ddp, work.lr)
+        opt = _optimizer(variant, ddp, LR or work.lr)
         gen = torch.Generator().manual_seed(1000 * seed + rank)  # each rank its own batches
         curve, clipped = [], 0
         calls = _count_collectives()
@@ -419,19 +420,22 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    global STEPS
+    global STEPS, LR
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--steps", type=int, default=STEPS,
                    help="optimizer steps per run (default %(default)s)")
     p.add_argument("--workloads", default=",".join(STANDARD))
+    p.add_argument("--lr", type=float, default=None,
+                   help="replaces the workloads' own lr (not the adam_lr* variants'): LAMB at "
+                        "another lr on large_batch, say")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--out", default=None,
                    help="also write the rows to this JSON file (the run's record goes to "
                         "benchmarks/results/fidelity.jsonl in any case)")
     p.add_argument("--plot", default=str(ROOT / "docs" / "fidelity_loss_vs_bytes.png"))
     args = p.parse_args()
-    STEPS = args.steps
+    STEPS, LR = args.steps, args.lr
     rows = []
     began = time.perf_counter()
     for workload in args.workloads.split(","):
