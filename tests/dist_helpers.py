@@ -105,3 +105,20 @@ def _assert_equal(a, b, msg):
         assert torch.equal(a, b), msg
     else:
         assert a == b, msg
+
+
+def save_for_resume(path: str, rank: int, model, opt, step: int) -> None:
+    """This rank's model, optimizer and step count in ``<path>.<rank>``."""
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step},
+               f"{path}.{rank}")
+
+
+def resume(path: str | None, rank: int, model, opt) -> int:
+    """Load what :func:`save_for_resume` wrote for this rank (nothing for ``path`` None);
+    returns the step to continue from."""
+    if path is None:
+        return 0
+    saved = torch.load(f"{path}.{rank}", weights_only=True)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    return saved["step"]

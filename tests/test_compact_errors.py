@@ -12,7 +12,7 @@ from torch import nn
 from onebit_plugin import CompressedAllreduce, OneBitAdam
 from onebit_plugin.compression import round_to_bf16_
 from onebit_plugin.memory import buffer_bytes
-from tests.dist_helpers import run_ranks
+from tests.dist_helpers import resume, run_ranks, save_for_resume
 
 
 def _neighbours(x):
@@ -79,12 +79,7 @@ def _run(rank, world, steps, error_dtype, save_at=None, ckpt=None, load=None, co
     model = _model()
     opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=3, error_dtype=error_dtype,
                      bucket_cap_mb=0.001, compress_momentum=compress)
-    start = 0
-    if load is not None:
-        saved = torch.load(f"{load}.{rank}", weights_only=True)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        start = saved["step"]
+    start = resume(load, rank, model, opt)
     trace = []
     for step in range(start, steps):
         gen = torch.Generator().manual_seed(100 * step + rank)
@@ -94,8 +89,7 @@ def _run(rank, world, steps, error_dtype, save_at=None, ckpt=None, load=None, co
         opt.step()
         trace.append([p.detach().clone() for p in model.parameters()])
         if step + 1 == save_at:
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                        "step": step + 1}, f"{ckpt}.{rank}")
+            save_for_resume(ckpt, rank, model, opt, step + 1)
     kinds = {k: v for k, v in buffer_bytes(opt).items() if k.endswith("error")}
     dtypes = {str(e.dtype) for u in opt.units for k, e in u.errors.items() if k != "draws"}
     return trace, kinds, dtypes

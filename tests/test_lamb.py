@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from onebit_plugin import OneBitLamb, check_lockstep, register_onebit_hook
 from onebit_plugin.lamb_update import lamb_factor
-from tests.dist_helpers import run_ranks
+from tests.dist_helpers import resume, run_ranks, save_for_resume
 
 
 def reference_lamb(params, grads_per_step, *, lr, betas, eps, wd, max_coeff=10.0,
@@ -114,12 +114,7 @@ def _run(rank, world, steps, *, compress=True, save_at=None, ckpt=None, load=Non
                      compress_momentum=compress, bucket_cap_mb=0.001)
     if ddp:
         register_onebit_hook(net, opt)
-    start = 0
-    if load is not None:
-        saved = torch.load(f"{load}.{rank}", weights_only=True)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        start = saved["step"]
+    start = resume(load, rank, model, opt)
     trace = []
     for step in range(start, steps):
         x, y = _grads(step, rank)
@@ -129,8 +124,7 @@ def _run(rank, world, steps, *, compress=True, save_at=None, ckpt=None, load=Non
         check_lockstep(model.parameters(), opt)
         trace.append([p.detach().clone() for p in model.parameters()])
         if step + 1 == save_at:
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                        "step": step + 1}, f"{ckpt}.{rank}")
+            save_for_resume(ckpt, rank, model, opt, step + 1)
     return trace, opt.stage, opt.bytes_sent, opt.dense_bytes
 
 

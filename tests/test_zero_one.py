@@ -18,7 +18,7 @@ from onebit_plugin.schedule import (
     refreshes_variance,
 )
 from onebit_plugin.zero_one import auto_local_step_scaler
-from tests.dist_helpers import run_ranks
+from tests.dist_helpers import resume, run_ranks, save_for_resume
 
 
 # ------------------------------------------------------------------------------- the schedule
@@ -188,12 +188,7 @@ def _run(rank, world, steps, *, ddp=False, interval=4, wd=0.0, save_at=None, ckp
                       total_steps=steps, bucket_cap_mb=0.001)  # several units, either way
     if ddp:
         register_onebit_hook(net, opt)
-    start = 0
-    if load is not None:
-        saved = torch.load(f"{load}.{rank}", weights_only=True)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        start = saved["step"]
+    start = resume(load, rank, model, opt)
     trace = []
     for step in range(start, steps):
         kind = opt.coming_exchange
@@ -202,8 +197,7 @@ def _run(rank, world, steps, *, ddp=False, interval=4, wd=0.0, save_at=None, ckp
         opt.step()
         trace.append((kind, [p.detach().clone() for p in model.parameters()]))
         if save_at is not None and step + 1 == save_at:
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1},
-                       f"{ckpt}.{rank}")
+            save_for_resume(ckpt, rank, model, opt, step + 1)
     return trace
 
 
