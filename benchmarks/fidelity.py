@@ -73,7 +73,11 @@ ZERO_ONE = {"zero_one": {}, "zero_one_local16_early": {"local_step_scaler": 8},
             "zero_one_phase_a_only": {"var_freeze_step": 100_000}}
 # 1-bit LAMB on the large-batch workload: LAMB itself (never frozen), 1-bit LAMB's defaults
 # (freeze_step="auto"), and Adam at three learning rates.
-LAMB = {"lamb": {"freeze_step": 10**9}, "onebit_lamb": {"freeze_step": "auto"}}
+# What costs what: the same freeze with the momentum averaged exactly (the frozen ratio and
+# variance alone), and without the bound.
+LAMB = {"lamb": {"freeze_step": 10**9}, "onebit_lamb": {"freeze_step": "auto"},
+        "onebit_lamb_exact": {"freeze_step": "auto", "compress_momentum": False},
+        "onebit_lamb_unbounded": {"freeze_step": "auto", "bound_update": False}}
 ADAM_LRS = {"adam_lr1e-3": 1e-3, "adam_lr3e-3": 3e-3, "adam_lr1e-2": 1e-2}
 ALL_VARIANTS = VARIANTS + list(ZERO_ONE) + list(LAMB) + list(ADAM_LRS)
 # The collectives a rank calls, counted by wrapping torch.distributed's functions (DDP's own
