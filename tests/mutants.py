@@ -351,7 +351,7 @@ MUTANTS = [
        "    unknown = sorted(set(given) - set(accepted))", "    unknown = []",
        "tests/test_deepspeed_config.py::test_bad_configs_are_refused_by_name"),
     _m("deepspeed-mask-dropped", "row: 1-bit LAMB", "onebit_plugin/deepspeed_config.py",
-       "    masks = _masks_of_groups(params)", "    masks = {}",
+       "    params, masks = _masks_of_groups(list(params))", "    masks = {}",
        "tests/test_deepspeed_config.py::test_deepspeeds_momentum_mask_becomes_a_mask"),
     _m("zero-one-hook-sends-in-local-steps", "row: a local step sends nothing", HOOK,
        "    if coming in (LOCAL, SYNC):", "    if False:",
