@@ -70,10 +70,11 @@ bench: $(STAMP)
 	benchmarks/accuracy.sh
 	$(PY) benchmarks/memory.py
 
-# Accuracy against bytes (about 25 minutes on 2 cores): Adam, 1-bit Adam (fixed freeze and
+# Accuracy against bytes (about 40 minutes on 2 cores): Adam, 1-bit Adam (fixed freeze and
 # freeze_step="auto"), fp16 and PowerSGD on a char-level GPT, a word-embedding model and
-# scikit-learn's digits, 3 seeds, 2 gloo ranks, and 1-bit with clipping and with bf16
-# parameters; table and plot in docs/benchmarks.md.
+# scikit-learn's digits, 3 seeds, 2 gloo ranks, and 1-bit with clipping, with bf16 parameters
+# and with bf16 errors; then 1-bit LAMB against LAMB and Adam at a global batch of 4,096
+# (about 15 minutes); tables and plots in docs/benchmarks.md.
 fidelity: $(STAMP)
 	$(PY) -m pip install -q -e ".[dev,bench]"
 	$(PY) benchmarks/fidelity.py
