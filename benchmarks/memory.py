@@ -57,6 +57,7 @@ CONFIGS = {
                                                "error_dtype": "bfloat16"}, 8),
     "zero_one_adam": ("ZeroOneAdam", _ZERO_ONE, 18),
     "zero_one_adam_bf16_errors": ("ZeroOneAdam", {**_ZERO_ONE, "error_dtype": "bfloat16"}, 18),
+    "onebit_lamb": ("OneBitLamb", {"lr": 1e-3, "freeze_step": 3}, 8),
 }
 
 
