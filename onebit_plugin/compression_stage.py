@@ -104,16 +104,12 @@ def refresh_step(opt) -> None:
     trainable = opt._trainable()
     if not all_finite([p.grad for p in trainable if p.grad is not None]):
         return opt._skip()  # averaged: the same decision on every rank
-    # Built here when this is the stage's first step since the freeze or a resume (with
-    # var_update_scaler=1 the step after the freeze refreshes; a phase-A checkpoint may be
-    # followed by a refresh).
-    units = opt.units
     opt._skip_streak = 0
     for group, params, _, _, exp_avgs, _ in update_rows(opt)[0]:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         opt.policy.refresh_moments_(group, params, grads, [opt.state[p] for p in params],
                                     exp_avgs)
-    refresh_denominators(units, opt.state,
+    refresh_denominators(opt.units, opt.state,
                          {p: g for g in opt.param_groups for p in g["params"]},
                          opt._masks, opt.config.mask_zero_variance)
     frozen_update(opt, count_step(opt), averaged=False)
@@ -145,7 +141,10 @@ def frozen_update(opt, counts: list[float], *, averaged: bool) -> None:
 
 def update_rows(opt) -> tuple[list, torch.Tensor | None]:
     """``momentum.update_rows``, made again when the trainable parameters change (one of them
-    frozen since, say)."""
+    frozen since, say). The rows read the units, built here when this is the compression
+    stage's first step since the freeze or a resume, whatever the step exchanges (a 0/1 Adam
+    refresh may come first: var_update_scaler=1, or a phase-A checkpoint before a refresh)."""
+    opt.units  # noqa: B018 - built on first use
     trainable = tuple(map(id, opt._trainable()))
     if opt._rows is None or opt._rows[0] != trainable:
         opt._rows = (trainable, *rows_of(opt.param_groups, opt._unit_of, opt._step_index,

@@ -37,8 +37,8 @@ DEEPSPEED_TYPES = {
 _DEFAULTS = {"onebitadam": {"freeze_step": 100000, "decoupled_weight_decay": True},
              "zerooneadam": {"var_freeze_step": 100000, "local_step_scaler": 32678},
              "onebitlamb": {"freeze_step": 100000}}
-# DeepSpeed's values of the unused keys: another one is said as a warning (it changes nothing).
-_UNUSED_DEFAULTS = {"bias_correction": True, "eps_inside_sqrt": False, "max_grad_norm": 0.0}
+# DeepSpeed's values of two unused keys: another value would look active, so it is a warning.
+_UNUSED_DEFAULTS = {"eps_inside_sqrt": False, "max_grad_norm": 0.0}
 # Taken by DeepSpeed's optimizers and unused by them, or about its transport: accepted, said.
 _UNUSED = {
     "cuda_aware": "the transport is torch.distributed's (any backend)",
@@ -159,7 +159,7 @@ def from_deepspeed_config(params, config, **options):
                          f"{', '.join(accepted)} (and {', '.join(_UNUSED)}, which are unused)")
     for key, value in unused.items():
         # A value that would look active (max_grad_norm > 0, eps_inside_sqrt) is a warning.
-        loud = key in ("eps_inside_sqrt", "max_grad_norm") and value != _UNUSED_DEFAULTS[key]
+        loud = key in _UNUSED_DEFAULTS and value != _UNUSED_DEFAULTS[key]
         _say(logging.WARNING if loud else logging.INFO,
              "onebit: %s's %r (%r) is accepted and not used: %s", kind, key, value,
              _UNUSED[key])

@@ -51,8 +51,8 @@ class Encoded(NamedTuple):
     layout, as many as ``numel``; ``fallback`` makes the fp32 tensor (a slice of the unit's
     fold buffer, made at its first use) it is decoded into where it cannot be read encoded.
     :func:`frozen_update_`'s CPU pass decodes it as it reads it: the fp32 average is never
-    written and read back. Made by
-    ``MomentumUnit.averaged``, only where the CPU kernel is built."""
+    written and read back. Made by ``MomentumUnit.averaged``, only where the CPU kernel is
+    built."""
 
     packed: torch.Tensor
     scales: torch.Tensor

@@ -67,8 +67,6 @@ class LambPolicy(Policy):
 
     def compression_update_(self, group, params, exp_avgs, denoms, counts, *, bounded, masters,
                             averaged, states) -> None:
-        if averaged is None:  # the momenta already hold the average (never, for this member)
-            averaged = [m.clone() for m in exp_avgs]
         factors = frozen_lamb_update_(
             params, exp_avgs, denoms, [s["exp_avg_sq_fresh"] for s in states], counts,
             averaged=averaged, lr=group["lr"], beta1=group["betas"][0],

@@ -304,8 +304,8 @@ MUTANTS = [
        "test_phase_a_in_one_process_is_adam_whose_variance_moves_only_on_refresh_steps"),
     _m("zero-one-denominators-not-refreshed", "row: 0/1 Adam's phase A",
        "onebit_plugin/compression_stage.py",
-       "    refresh_denominators(units, opt.state,",
-       "    (lambda *a: None)(units, opt.state,",
+       "    refresh_denominators(opt.units, opt.state,",
+       "    (lambda *a: None)(opt.units, opt.state,",
        "tests/test_zero_one.py::"
        "test_phase_a_in_one_process_is_adam_whose_variance_moves_only_on_refresh_steps"),
     # Memory (issue 30)
@@ -353,6 +353,10 @@ MUTANTS = [
     _m("deepspeed-mask-dropped", "row: 1-bit LAMB", "onebit_plugin/deepspeed_config.py",
        "    params, masks = _masks_of_groups(list(params))", "    masks = {}",
        "tests/test_deepspeed_config.py::test_deepspeeds_momentum_mask_becomes_a_mask"),
+    _m("zero-one-refresh-before-the-units", "row: 0/1 Adam's phase A",
+       "onebit_plugin/compression_stage.py",
+       "    opt.units  # noqa: B018 - built on first use\n", "",
+       "tests/test_zero_one.py::test_resume_is_bitwise_in_every_phase[9]"),
     _m("zero-one-hook-sends-in-local-steps", "row: a local step sends nothing", HOOK,
        "    if coming in (LOCAL, SYNC):", "    if False:",
        "tests/test_zero_one.py::"
