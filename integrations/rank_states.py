@@ -4,7 +4,8 @@ Accelerate's ``save_state`` and ``transformers.Trainer`` write the optimizer sta
 process only, and the error buffers differ per rank; so every rank writes its own
 ``onebit_rank<R>.pt`` into the checkpoint folder and loads it back. A missing, unreadable or
 other-run file is a ``ValueError`` naming the file, never silently zeroed errors. A checkpoint
-written in warm-up (no error buffers yet) resumes on any number of processes.
+written in warm-up (no error buffers yet) resumes on any number of processes; one written in the
+compression stage too, its error feedback restarted from zero and said (the optimizer's load).
 """
 
 from __future__ import annotations
@@ -41,19 +42,42 @@ def load_rank_states(folder, rank: int, world: int, optimizers: list[OneBitAdam]
     framework has already loaded from the same checkpoint."""
     folder = Path(folder)
     saved = sorted(p.name for p in folder.glob("onebit_rank*.pt"))
-    if len(saved) != world and all(o.switch_step is None for o in optimizers):
-        # Warm-up: no error buffers yet, and what the files hold besides (step, counters, the
-        # auto freeze's snapshots of the averaged variance) is rank 0's, already loaded with
-        # the framework's optimizer state: any number of processes may resume it.
-        _say_other_world(len(saved), world)
-        return
-    if len(saved) != world:
+    if saved and saved != sorted(rank_file(folder, r).name for r in range(len(saved))):
         raise ValueError(
-            f"{folder} holds OneBitAdam error buffers of {len(saved)} ranks ({saved}) and this "
-            f"run has {world} processes: they are sharded per rank; resume with the same "
-            "number of processes from a checkpoint written with 1-bit Adam on"
+            f"{folder} holds the OneBitAdam error buffers of ranks {saved}: one is missing "
+            "(every rank writes its own); resume from a complete checkpoint"
         )
-    path = rank_file(folder, rank)
+    if not saved:
+        if all(o.switch_step is None for o in optimizers):
+            _say_other_world(0, world)
+            return
+        raise ValueError(
+            f"{folder} holds no OneBitAdam error buffers (onebit_rank<R>.pt) and this run "
+            "resumes the compression stage: resume from a checkpoint written with the 1-bit "
+            "optimizer on"
+        )
+    if len(saved) == world:
+        for optimizer, state in zip(optimizers, _read(rank_file(folder, rank), optimizers),
+                                    strict=True):
+            optimizer.load_onebit_state_dict(state)
+        return
+    # Another world size. What the files hold besides each rank's errors (step, counters, the
+    # auto freeze's snapshots of the averaged variance) is rank 0's, already loaded with the
+    # framework's optimizer state; in the compression stage that load restarted the error
+    # feedback (and said so), or refused a 0/1 Adam state saved between syncs. Rank 0's file
+    # is read only to know that the files and the checkpoint belong together.
+    path = rank_file(folder, 0)
+    for state in _read(path, optimizers):
+        if state["world_size"] != len(saved):
+            raise ValueError(f"{path} was saved by {state['world_size']} ranks and {folder} "
+                             f"holds {len(saved)} ranks' files: it comes from another run")
+    if all(o.switch_step is None for o in optimizers):
+        _say_other_world(len(saved), world)
+
+
+def _read(path: Path, optimizers: list[OneBitAdam]) -> list[dict]:
+    """``path``'s states, one per optimizer, checked to come from the checkpoint whose regular
+    state ``optimizers`` hold."""
     try:
         # Data only: a checkpoint folder may come from anywhere, and a full unpickle would run
         # whatever code a crafted file names. What save_rank_states writes is tensors, numbers,
@@ -63,6 +87,9 @@ def load_rank_states(folder, rank: int, world: int, optimizers: list[OneBitAdam]
         raise ValueError(f"{path}: cannot read this rank's OneBitAdam error buffers "
                          f"({type(exc).__name__}: {exc}); the file is missing, truncated or "
                          "not written by this package") from exc
+    if len(states) != len(optimizers):
+        raise ValueError(f"{path} holds {len(states)} optimizers' states, this run has "
+                         f"{len(optimizers)}")
     for optimizer, state in zip(optimizers, states, strict=True):
         saved_at = (state["global_step"], state["switch_step"])
         if saved_at != (optimizer.global_step, optimizer.switch_step):
@@ -71,7 +98,7 @@ def load_rank_states(folder, rank: int, world: int, optimizers: list[OneBitAdam]
                 f"this checkpoint at {(optimizer.global_step, optimizer.switch_step)}: it comes "
                 "from another run or checkpoint"
             )
-        optimizer.load_onebit_state_dict(state)
+    return states
 
 
 # ------------------------------------------------- all ranks' states inside one checkpoint
@@ -121,7 +148,8 @@ def own_rank_state(state: dict, rank: int, world: int) -> dict:
     ranks = state.get("onebit_ranks")
     onebit = state.get("onebit") or {}
     if ranks is None:
-        if world > 1 and onebit.get("switch_step") is not None:
+        if world > 1 and onebit.get("switch_step") is not None and \
+                onebit.get("world_size") == world:
             raise ValueError(
                 "this checkpoint holds rank 0's OneBitAdam error buffers only (no "
                 "'onebit_ranks'): it was not written with the onebit_adam strategy on "
@@ -131,11 +159,9 @@ def own_rank_state(state: dict, rank: int, world: int) -> dict:
     if len(ranks) != world and onebit.get("switch_step") is None:  # warm-up: any world size
         _say_other_world(len(ranks), world)
         return {k: v for k, v in state.items() if k != "onebit_ranks"}
-    if len(ranks) != world:
-        raise ValueError(
-            f"this checkpoint was written by {len(ranks)} ranks and is loaded by {world}: "
-            "OneBitAdam's error buffers are sharded per rank; resume with the same number of "
-            "processes"
-        )
     state = {k: v for k, v in state.items() if k != "onebit_ranks"}
+    if len(ranks) != world:
+        # Compression stage on another world size: rank 0's state, whose load restarts the
+        # error feedback (and says so), or refuses a 0/1 Adam state saved between syncs.
+        return state
     return dict(state, onebit=ranks[rank])

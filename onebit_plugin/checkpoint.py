@@ -74,11 +74,7 @@ def load_onebit_state(opt, onebit: dict) -> None:
                          "(no momentum units); resume it with that version")
     saved_world = onebit["world_size"]
     if onebit["switch_step"] is not None and saved_world != opt.world_size:
-        raise ValueError(
-            f"this OneBitAdam state was saved in the compression stage by {saved_world} "
-            f"ranks and is loaded by {opt.world_size}: its error buffers are sharded per "
-            "rank; resume with the same world size"
-        )
+        onebit = _restart_error_feedback(opt, onebit, saved_world)
     if onebit["freeze_step"] != opt.freeze_step:
         log.warning(
             "onebit: the checkpoint has freeze_step=%s, this optimizer %s: %s",
@@ -103,6 +99,31 @@ def load_onebit_state(opt, onebit: dict) -> None:
                           rank=onebit.get("rank"))  # absent in states saved before this field
     opt._forget_layout()
     local_steps.load_saved_state(opt, onebit.get("local_steps"))
+
+
+def _restart_error_feedback(opt, onebit: dict, saved_world: int) -> dict:
+    """``onebit`` without its error buffers, said once (rank 0): a compression-stage state
+    saved by another number of ranks (an elastic restart after losing a node). Each rank's
+    errors belong to its own share of every exchange, and the server's are cut into as many
+    chunks as there were ranks, so no mapping onto another world size is right; the momentum,
+    the frozen variance and the step are every rank's alike and carry on. DeepSpeed restarted
+    the error feedback on every load; here only when the world size changed."""
+    if onebit.get("local_steps") is not None:
+        raise ValueError(
+            f"this ZeroOneAdam state was saved between two syncs by {saved_world} ranks and is "
+            f"loaded by {opt.world_size}: between syncs every rank holds its own parameters, "
+            "which do not map onto another number of ranks; resume with the same world size, "
+            "or from a checkpoint written at a sync (call sync_local_steps() before saving)"
+        )
+    if group_size_and_rank(opt.process_group)[1] == 0:
+        log.warning(
+            "onebit: resuming the compression stage (frozen after step %s) saved by %d "
+            "ranks on %d: error buffers are per rank and do not map onto another world size, "
+            "so the error feedback restarts from zero; momentum, frozen variance and step "
+            "carry on. The run goes on from there, not bit for bit as the uninterrupted one; "
+            "what that cost on make fidelity's workloads is in docs/limits.md "
+            "(\"Another world size\")", onebit["switch_step"], saved_world, opt.world_size)
+    return dict(onebit, units=None)
 
 
 def load_unit_errors(opt, saved: list[dict]) -> None:

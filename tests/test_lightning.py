@@ -103,6 +103,22 @@ def test_resume_in_warm_up_continues_the_uninterrupted_run_bitwise(fp32_run, tmp
     assert log.count("variance frozen after step") == 1
 
 
+def test_a_compression_stage_checkpoint_resumes_on_another_number_of_devices(fp32_run, tmp_path):
+    """The 2-device run's step-15 checkpoint (compression stage) on 3 devices (an elastic
+    restart): rank 0's state, the error feedback restarted from zero and said once, the ranks
+    compress on in lockstep to the end."""
+    out, _ = fp32_run
+    log = _fit(tmp_path, "--steps", "30", "--precision", "32-true", "--accumulate", "2",
+               "--clip", "1.0", "--resume", str(out / "ckpt" / "step=15.ckpt"),
+               "--check-lockstep", "1", "--devices", "3")
+    assert log.count("error feedback restarts from zero") == 1, log[-3000:]
+    assert "saved by 2 ranks on 3" in log
+    resumed = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
+    assert [r["started_at"] for r in resumed] == [15, 15, 15]
+    assert resumed[0]["global_step"] == 30 and resumed[0]["switch_step"] == FREEZE
+    assert_ranks_identical([r["params"] for r in resumed], "resumed parameters")
+
+
 def test_bf16_mixed_accumulation_clipping_lockstep_logged_once_per_optimizer_step(tmp_path):
     _fit(tmp_path, "--steps", "12", "--precision", "bf16-mixed", "--accumulate", "2",
          "--clip", "0.5", "--log-every", "1", "--check-lockstep", "1")  # frozen at 2 (20% of 12)

@@ -602,11 +602,77 @@ def _state_worker(rank, world):
     return opt.state_dict()
 
 
-def test_resuming_with_another_world_size_is_a_clear_error():
+def _other_world_worker(rank, world, saved):
+    """Resume rank 0's compression-stage state of 2 ranks on ``world`` ranks and go on."""
+    import logging
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("onebit_plugin").addHandler(handler)
+    model = _model()
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    opt.load_state_dict(copy.deepcopy(saved))
+    loaded = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
+    errors = [e.clone() for u in opt.units for e in u.errors.values()]  # built at the load
+    for step in range(3):
+        opt.zero_grad()
+        _loss(model, _batch(100 + step + 10 * rank)).backward()
+        opt.step()
+    check_lockstep(model.parameters(), opt)
+    return {"said": said, "loaded": loaded, "errors": errors, "stage": opt.stage,
+            "step": opt.global_step,
+            "moved": [e.abs().sum().item() for u in opt.units for e in u.errors.values()]}
+
+
+def test_a_compression_stage_state_resumes_on_another_world_size_errors_restarted():
+    """Saved by 2 ranks after the freeze, resumed on 1 and on 3: every rank starts from rank 0's
+    momentum with zero error buffers (no rank's errors map onto another world size), says so
+    once (rank 0), and the ranks go on compressing in lockstep."""
     saved = run_ranks(_state_worker, 2)[0]
-    opt = OneBitAdam(_model().parameters(), lr=1e-2, freeze_step=2)
-    with pytest.raises(ValueError, match="saved in the compression stage by 2 ranks and is "
-                                         "loaded by 1"):
+    momenta = list(saved["state"][i]["exp_avg"] for i in sorted(saved["state"]))
+    assert any(e.abs().sum() > 0 for u in saved["onebit"]["units"] for k, e in u.items()
+               if k != "numel")  # the errors that must not come back
+    for world in (1, 3):
+        ranks = run_ranks(_other_world_worker, world, saved)
+        for rank, result in enumerate(ranks):
+            assert result["stage"] == "compression" and result["step"] == 7
+            assert all(torch.equal(a, b) for a, b in zip(result["loaded"], momenta,
+                                                         strict=True))
+            if world > 1:  # (one process exchanges nothing: no error buffers)
+                assert result["errors"] and all(not e.any() for e in result["errors"])
+                assert sum(result["moved"]) > 0  # the error feedback runs again from there
+            restarts = [m for m in result["said"] if "error feedback restarts from zero" in m]
+            assert len(restarts) == (1 if rank == 0 else 0), result["said"]
+        assert f"saved by 2 ranks on {world}" in next(
+            m for m in ranks[0]["said"] if "restarts" in m)
+
+
+def _between_syncs_worker(rank, world):
+    from onebit_plugin import ZeroOneAdam
+
+    model = _model()
+    opt = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=4, local_step_scaler=1,
+                      local_step_clipper=4)
+    step = 0
+    while step < 4 or opt.onebit_state_dict()["local_steps"] is None:
+        opt.zero_grad()
+        _loss(model, _batch(step + 10 * rank)).backward()
+        opt.step()
+        step += 1
+    return opt.state_dict()
+
+
+def test_a_zero_one_state_between_syncs_on_another_world_size_is_a_clear_error():
+    """Between syncs each rank holds its own parameters: on another world size they cannot be
+    placed, so the load refuses and names the way out (a checkpoint at a sync)."""
+    from onebit_plugin import ZeroOneAdam
+
+    saved = run_ranks(_between_syncs_worker, 2)[0]
+    opt = ZeroOneAdam(_model().parameters(), lr=1e-2, var_freeze_step=4, local_step_scaler=1,
+                      local_step_clipper=4)
+    with pytest.raises(ValueError, match="saved between two syncs by 2 ranks and is loaded by "
+                                         "1.*sync_local_steps"):
         opt.load_state_dict(saved)
 
 
