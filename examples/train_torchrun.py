@@ -77,32 +77,44 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def save(folder: str, step: int, rank: int, model, opt, gen, keep: int, every: int) -> None:
+def save(folder: str, step: int, rank: int, world: int, model, opt, gen, keep: int,
+         every: int) -> None:
     """This rank's whole state after ``step`` (its own error buffers are in ``opt``'s), written
     to a temporary name first so that a kill never leaves a half-written file behind. Each rank
     then deletes its own file of ``keep`` checkpoints ago (the newer ones stay complete)."""
-    path = Path(folder) / f"step{step:08d}" / f"rank{rank}.pt"
+    path = Path(folder) / f"step{step:08d}" / f"rank{rank}of{world}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"step": step, "model": model.state_dict(), "opt": opt.state_dict(),
                 "gen": gen.get_state()}, path.with_suffix(".tmp"))
     os.replace(path.with_suffix(".tmp"), path)
     old = Path(folder) / f"step{step - keep * every:08d}"
-    (old / f"rank{rank}.pt").unlink(missing_ok=True)
+    (old / path.name).unlink(missing_ok=True)
     with contextlib.suppress(OSError):
         old.rmdir()  # the last rank to delete its file removes the folder
 
 
 def resume(folder: str, world: int, rank: int, model, opt, gen) -> int:
-    """Load the newest step that every rank saved (the same choice on every rank: no writer is
-    alive when a restarted job starts); returns that step, 0 when there is none."""
-    complete = [d for d in sorted(Path(folder).glob("step*"), reverse=True)
-                if all((d / f"rank{r}.pt").exists() for r in range(world))]
-    if not complete:
+    """Load the newest step that every rank of its run saved (the same choice on every rank: no
+    writer is alive when a restarted job starts); returns that step, 0 when there is none.
+
+    A checkpoint of another number of ranks (an elastic restart) resumes too: a rank that had
+    no file of its own loads rank 0's (parameters and momenta are every rank's alike) and keeps
+    its own data stream; the optimizer restarts its error feedback and says so."""
+    for d in sorted(Path(folder).glob("step*"), reverse=True):
+        files = {f.name for f in d.glob("rank*of*.pt")}
+        saved = {int(name.split("of")[1][:-3]) for name in files}
+        if len(saved) == 1 and \
+                files == {f"rank{r}of{n}.pt" for n in saved for r in range(n)}:
+            n = saved.pop()
+            break
+    else:
         return 0
-    state = torch.load(complete[0] / f"rank{rank}.pt", weights_only=True)  # data, never code
+    own = rank if rank < n else 0
+    state = torch.load(d / f"rank{own}of{n}.pt", weights_only=True)  # data, never code
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
-    gen.set_state(state["gen"])
+    if rank < n:
+        gen.set_state(state["gen"])
     return state["step"]
 
 
@@ -178,7 +190,8 @@ def main(argv=None) -> dict:
             check_lockstep(model.parameters(), opt)  # raises LockstepError on any difference
             checks += 1
         if args.ckpt_dir and step % args.ckpt_every == 0:
-            save(args.ckpt_dir, step, rank, model, opt, gen, args.ckpt_keep, args.ckpt_every)
+            save(args.ckpt_dir, step, rank, world, model, opt, gen, args.ckpt_keep,
+                 args.ckpt_every)
             say(f"step {step}: checkpoint written", flush=True)
     if not history:  # resumed at or past --steps
         history.append((first - 1, float("nan"), evaluate(model, val.to(device), args.context)))

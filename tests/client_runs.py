@@ -23,9 +23,10 @@ def median_bytes_per_step(out: Path, steps: range, world: int = 2) -> float:
     return statistics.median(per_step[str(s)] for per_step in per_rank for s in steps)
 
 
-def accelerate_launch(bin_dir: Path) -> list[str]:
-    """``accelerate launch`` of 2 CPU processes on a port of their own (its default, 29500, would
-    be shared by launches that run at the same time)."""
-    return [str(bin_dir / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
+def accelerate_launch(bin_dir: Path, processes: int = 2) -> list[str]:
+    """``accelerate launch`` of ``processes`` CPU processes on a port of their own (its default,
+    29500, would be shared by launches that run at the same time)."""
+    return [str(bin_dir / "accelerate"), "launch", "--multi_gpu", "--num_processes",
+            str(processes),
             "--num_machines", "1", "--main_process_port", str(free_port()),
             "--mixed_precision", "no", "--dynamo_backend", "no"]

@@ -30,11 +30,12 @@ ONEBIT_RUN = Path(sys.executable).with_name("onebit-run")
 ON = {"ONEBIT_ADAM": "1", "ONEBIT_FREEZE_STEP": "10"}
 
 
-def _launch(out: Path, env: dict, *args: str, check: bool = True, launcher: bool = True):
+def _launch(out: Path, env: dict, *args: str, check: bool = True, launcher: bool = True,
+            processes: int = 2):
     """``accelerate launch`` of the example; with ``ONEBIT_ADAM=1`` in ``env`` under
     ``onebit-run`` (the unmodified script), unless ``launcher=False`` (the explicit import)."""
-    cmd = [*accelerate_launch(ACCELERATE.parent), str(SCRIPT), "--steps", "30", "--accumulate",
-           "2", "--clip", "1.0", "--out", str(out), *args]
+    cmd = [*accelerate_launch(ACCELERATE.parent, processes), str(SCRIPT), "--steps", "30",
+           "--accumulate", "2", "--clip", "1.0", "--out", str(out), *args]
     if launcher and env.get("ONEBIT_ADAM") == "1":
         cmd = [str(ONEBIT_RUN), *cmd]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("ONEBIT_")}
@@ -107,7 +108,7 @@ def test_unmodified_script_under_onebit_run(plain_run, joint_run, tmp_path, prep
     assert summary["val_loss"] <= plain["val_loss"] * 1.02, (summary, plain)
 
 
-def test_save_load_state_continues_the_uninterrupted_run_bitwise(joint_run, tmp_path):
+def test_save_load_state_continues_the_uninterrupted_run_bitwise(plain_run, joint_run, tmp_path):
     """save_state at step 20 (compression stage), load_state into a fresh model, optimizer and
     Accelerator, continue to 30: the same parameters as 30 uninterrupted steps."""
     # The resumed run takes the explicit route (no launcher, Accelerator imported from
@@ -119,6 +120,21 @@ def test_save_load_state_continues_the_uninterrupted_run_bitwise(joint_run, tmp_
     for a, b in zip(straight, resumed, strict=True):
         for x, y in zip(a["params"], b["params"], strict=True):
             assert torch.equal(x, y)
+    # The same state on 3 processes under onebit-run (an elastic restart): the error feedback
+    # restarts from zero, said once, and the 3 ranks compress on in lockstep.
+    three = tmp_path / "three"
+    proc = _launch(three, ON, "--load-from", str(tmp_path / "state"), "--wire-out",
+                   str(three / "wire"), processes=3)
+    log = proc.stdout + proc.stderr
+    assert log.count("error feedback restarts from zero") == 1 and "saved by 2 ranks on 3" in log
+    ranks = [torch.load(three / f"rank{r}.pt") for r in range(3)]
+    assert_ranks_identical([r["params"] for r in ranks], "parameters")
+    assert {r["stage"] for r in ranks} == {"compression"}
+    steps = range(22, 31)
+    # Against DDP on 3 ranks: a ring allreduce writes 2(W-1)/W of the buffer per rank, 4/3 of
+    # the plain 2-rank run's.
+    dense = median_bytes_per_step(plain_run, steps) * 4 / 3
+    assert dense / median_bytes_per_step(three, steps, 3) >= 25
 
 
 def test_flag_off_is_plain_accelerate(plain_run, tmp_path):

@@ -23,9 +23,10 @@ STEPS, FREEZE = 80, 20  # the freeze after the LR warm-up (10 steps), 25% of the
 
 
 def _launch(out: Path, onebit: bool, *args: str, steps: int = STEPS,
-            freeze: int | str = FREEZE, launcher: tuple[str, ...] | None = None) -> str:
-    cmd = [*accelerate_launch(BIN), str(SCRIPT), "--steps", str(steps), "--out", str(out),
-           *args]
+            freeze: int | str = FREEZE, launcher: tuple[str, ...] | None = None,
+            processes: int = 2) -> str:
+    cmd = [*accelerate_launch(BIN, processes), str(SCRIPT), "--steps", str(steps), "--out",
+           str(out), *args]
     if onebit:
         cmd = [str(BIN / "onebit-run"),
                *(launcher if launcher is not None else ("--freeze-step", str(freeze))), *cmd]
@@ -84,6 +85,15 @@ def test_trainer_under_onebit_run_compresses_and_resumes_bitwise(tmp_path):
     for a, b in zip(ranks, rank_params(resumed), strict=True):
         for x, y in zip(a, b, strict=True):
             assert torch.equal(x, y)
+    # The same checkpoint on 3 processes (an elastic restart): the error feedback restarts
+    # from zero, said once, and the 3 ranks compress on in lockstep.
+    three = tmp_path / "three"
+    log = _launch(three, True, "--resume", str(checkpoint), processes=3)
+    assert log.count("error feedback restarts from zero") == 1 and "saved by 2 ranks on 3" in log
+    assert_ranks_identical(rank_params(three, 3), "parameters")
+    assert json.loads((three / "summary.json").read_text())["first_step"] == 61
+    # Against DDP on 3 ranks: a ring allreduce writes 2(W-1)/W of the buffer per rank.
+    assert dense * 4 / 3 / median_bytes_per_step(three, range(62, STEPS + 1), 3) >= 25
 
 
 def test_freeze_step_auto_freezes_at_the_ceiling_of_a_real_trainer_run(tmp_path):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from tests.dist_helpers import assert_ranks_identical
 from tests.procs import owned_processes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,8 +21,8 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def _run(start, out: Path, *extra: str) -> str:
-    argv = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "--max-restarts", "1",
+def _run(start, out: Path, *extra: str, nproc: int = 2) -> str:
+    argv = [str(TORCHRUN), "--standalone", "--nproc_per_node", str(nproc), "--max-restarts", "1",
             str(ROOT / "examples" / "train_torchrun.py"), "--steps", "30", "--freeze-step", "8",
             "--eval-every", "30", "--ckpt-dir", str(out / "ckpt"), "--ckpt-every", "5",
             "--params-out", str(out / "params"), "--comm-timeout", "5", *extra]
@@ -45,3 +46,15 @@ def test_killed_rank_restarts_and_ends_where_the_uninterrupted_run_ends(tmp_path
         faulty = torch.load(tmp_path / "faulty" / f"params.rank{rank}.pt")
         for a, b in zip(straight, faulty, strict=True):
             assert torch.equal(a, b)
+    # Its step-30 checkpoint (compression stage) on 3 processes, 10 steps more (an elastic
+    # restart): rank 2 takes rank 0's file, the error feedback restarts from zero, said once;
+    # the 3 ranks compress on in lockstep.
+    with owned_processes() as start:
+        output = _run(start, tmp_path / "faulty", "--steps", "40", "--check-lockstep", "1",
+                      nproc=3)
+    assert output.count("error feedback restarts from zero") == 1, output[-4000:]
+    assert "saved by 2 ranks on 3" in output
+    for rank in (0, 1, 2):
+        assert f"rank {rank}: resumed from {tmp_path / 'faulty' / 'ckpt'} at step 30" in output
+    ends = [torch.load(tmp_path / "faulty" / f"params.rank{rank}.pt") for rank in range(3)]
+    assert_ranks_identical(ends, "parameters")
