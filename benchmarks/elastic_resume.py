@@ -5,17 +5,18 @@ no rank's error buffers map onto another world size), against the same run unint
 For each workload of ``benchmarks/fidelity.py`` and seed, OneBitAdam with its defaults
 (``freeze_step="auto"``, the DDP hook), 240 steps at the workload's global batch:
 
-* ``uninterrupted``: 2 ranks, start to end; rank 0's optimizer and model state saved after
+* ``uninterrupted``: 2 ranks, start to end; every rank's optimizer and model state saved after
   ``--resume-at`` (default step 120, well after the freeze);
 * ``2->1``, ``2->4``: that state loaded on 1 or 4 ranks (per-rank batch scaled so that the
   global batch stays the same), on to the end;
-* ``2->2, errors restarted``: the same state on 2 ranks with the error feedback restarted
+* ``2->2``: each rank's own state on 2 ranks, errors and all: bit for bit the uninterrupted
+  run but for the batches (below), so the noise to read the others against;
+* ``2->2, errors restarted``: rank 0's state on 2 ranks with the error feedback restarted
   anyway (the saved world size is edited in the state, the only way to ask for it), which
   separates the restart's cost from the change in how the batch is split.
 
-Resumed ranks draw fresh batches (a stream of their own), as a restarted job would; so the
-seeds' spread is the noise to read the differences against. Final validation loss and the
-largest |parameter| against the uninterrupted run's. Appends a record to
+Resumed ranks draw fresh batches (a stream of their own), as a restarted job would. Final
+validation loss and the largest |parameter| against the uninterrupted run's. Appends a record to
 ``benchmarks/results/elastic_resume.jsonl``.
 
     .venv/bin/python benchmarks/elastic_resume.py   # about 10 minutes on 2 cores, word_embed
@@ -42,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fidelity import STEPS, WORKLOADS  # noqa: E402 - benchmarks/fidelity.py
 from record import append_run, shown  # noqa: E402 - benchmarks/record.py
 
-VARIANTS = {"uninterrupted": 2, "2->1": 1, "2->4": 4, "2->2, errors restarted": 2}
+VARIANTS = {"uninterrupted": 2, "2->2": 2, "2->1": 1, "2->4": 4, "2->2, errors restarted": 2}
 
 
 def _rank(rank, world, port, workload, seed, resume_at, saved, queue):
@@ -57,6 +58,8 @@ def _rank(rank, world, port, workload, seed, resume_at, saved, queue):
         work.batch = global_batch // world
         torch.manual_seed(seed)
         model = work.model()
+        if isinstance(saved, list):  # every rank its own
+            saved = saved[rank]
         if saved is not None:
             model.load_state_dict(saved["model"])
         ddp = DDP(model)
@@ -74,7 +77,7 @@ def _rank(rank, world, port, workload, seed, resume_at, saved, queue):
             opt.zero_grad()
             work.loss(ddp, work.batch_of(gen)).backward()
             opt.step()
-            if step == resume_at and saved is None and rank == 0:
+            if step == resume_at and saved is None:
                 buffer = io.BytesIO()
                 torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
                 state = buffer.getvalue()
@@ -123,7 +126,7 @@ def run(workload, seed, world, resume_at, saved=None) -> dict:
             if p.is_alive():
                 p.kill()
                 p.join()
-    return results[0]
+    return [results[r] for r in range(world)]
 
 
 def summarize(rows: list[dict]) -> str:
@@ -153,8 +156,9 @@ def main() -> None:
     rows, began = [], time.perf_counter()
     for workload in args.workloads.split(","):
         for seed in range(args.seeds):
-            whole = run(workload, seed, 2, args.resume_at)
-            saved = torch.load(io.BytesIO(whole.pop("state")), weights_only=True)
+            ranks = run(workload, seed, 2, args.resume_at)
+            states = [torch.load(io.BytesIO(r.pop("state")), weights_only=True) for r in ranks]
+            whole, saved = ranks[0], states[0]
             if saved["opt"]["onebit"]["switch_step"] is None:
                 raise SystemExit(f"step {args.resume_at} is in the warm-up of {workload}: "
                                  "nothing to restart; pass a later --resume-at")
@@ -162,11 +166,11 @@ def main() -> None:
                 if variant == "uninterrupted":
                     r = whole
                 else:
-                    state = saved
+                    state = states if variant == "2->2" else saved
                     if variant.endswith("restarted"):
                         state = copy.deepcopy(saved)
                         state["opt"]["onebit"]["world_size"] = 3  # asks for the restart
-                    r = run(workload, seed, world, args.resume_at, state)
+                    r = run(workload, seed, world, args.resume_at, state)[0]
                 r.pop("state", None)
                 r.update(workload=workload, variant=variant, seed=seed, world=world)
                 rows.append(r)

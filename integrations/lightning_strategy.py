@@ -87,7 +87,8 @@ def make_strategy_class(pl, callback_cls, module: str):
 
         Checkpoints hold every rank's own error buffers (``onebit_ranks`` beside rank 0's
         optimizer state) and each rank loads its own on resume, so a run resumed in either stage
-        continues the uninterrupted run's trajectory. Resuming with another world size raises.
+        continues the uninterrupted run's trajectory. On another world size the error feedback
+        restarts from zero (the optimizer's load says so).
         """
 
         strategy_name = "onebit_adam"

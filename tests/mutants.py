@@ -147,10 +147,11 @@ MUTANTS = [
     _m("lockstep-sees-nothing", "row: lockstep", "onebit_plugin/lockstep.py",
        "        if torch.equal(other, gathered[0]):\n", "        if True:\n",
        "tests/test_bad_input.py::test_check_lockstep_passes_and_catches_one_ulp"),
-    _m("resume-other-world-size", "row: another world size is a clear error", CKPT,
+    _m("resume-other-world-size", "row: another world size restarts the error feedback", CKPT,
        'if onebit["switch_step"] is not None and saved_world != opt.world_size:',
        'if onebit["switch_step"] is not None and saved_world != opt.world_size and False:',
-       "tests/test_optimizer.py::test_resuming_with_another_world_size_is_a_clear_error"),
+       "tests/test_optimizer.py::"
+       "test_a_compression_stage_state_resumes_on_another_world_size_errors_restarted"),
     _m("no-drain-before-ddp", "row: GPU path (the last bucket drains)", HOOK,
        "        if state.submitted:\n", "        if False:\n",
        "tests/test_ddp_hook.py::test_the_last_buckets_hook_returns_after_every_unit_is_averaged"),

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from onebit_plugin import CompressedAllreduce, OneBitAdam, check_lockstep
+from onebit_plugin import CompressedAllreduce, OneBitAdam, OneBitLamb, ZeroOneAdam, check_lockstep
 from tests.dist_helpers import assert_ranks_identical, run_ranks
 
 
@@ -592,9 +592,18 @@ def test_with_exact_averaging_any_ranks_state_resumes_exactly(tmp_path):
             assert torch.equal(a, b)
 
 
-def _state_worker(rank, world):
+# The members in a compressed stage after 4 steps: 1-bit Adam and 1-bit LAMB frozen after step
+# 2, 0/1 Adam in phase A with 1-bit steps 3 (refreshes at 1, 2, 4, 8, ...).
+MEMBERS = {"onebit_adam": lambda params: OneBitAdam(params, lr=1e-2, freeze_step=2),
+           "onebit_lamb": lambda params: OneBitLamb(params, lr=1e-2, freeze_step=2),
+           "zero_one_adam": lambda params: ZeroOneAdam(params, lr=1e-2, var_freeze_step=100,
+                                                       var_update_scaler=1,
+                                                       local_step_scaler=100)}
+
+
+def _state_worker(rank, world, member="onebit_adam"):
     model = _model()
-    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    opt = MEMBERS[member](model.parameters())
     for step in range(4):
         opt.zero_grad()
         _loss(model, _batch(step + 10 * rank)).backward()
@@ -602,7 +611,7 @@ def _state_worker(rank, world):
     return opt.state_dict()
 
 
-def _other_world_worker(rank, world, saved):
+def _other_world_worker(rank, world, saved, member):
     """Resume rank 0's compression-stage state of 2 ranks on ``world`` ranks and go on."""
     import logging
 
@@ -611,7 +620,7 @@ def _other_world_worker(rank, world, saved):
     handler.emit = lambda record: said.append(record.getMessage())
     logging.getLogger("onebit_plugin").addHandler(handler)
     model = _model()
-    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    opt = MEMBERS[member](model.parameters())
     opt.load_state_dict(copy.deepcopy(saved))
     loaded = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
     errors = [e.clone() for u in opt.units for e in u.errors.values()]  # built at the load
@@ -625,16 +634,17 @@ def _other_world_worker(rank, world, saved):
             "moved": [e.abs().sum().item() for u in opt.units for e in u.errors.values()]}
 
 
-def test_a_compression_stage_state_resumes_on_another_world_size_errors_restarted():
-    """Saved by 2 ranks after the freeze, resumed on 1 and on 3: every rank starts from rank 0's
-    momentum with zero error buffers (no rank's errors map onto another world size), says so
-    once (rank 0), and the ranks go on compressing in lockstep."""
-    saved = run_ranks(_state_worker, 2)[0]
+@pytest.mark.parametrize("member", list(MEMBERS))
+def test_a_compression_stage_state_resumes_on_another_world_size_errors_restarted(member):
+    """Saved by 2 ranks after the freeze (0/1 Adam: in phase A), resumed on 1 and on 3: every
+    rank starts from rank 0's momentum with zero error buffers (no rank's errors map onto
+    another world size), says so once (rank 0), and the ranks go on compressing in lockstep."""
+    saved = run_ranks(_state_worker, 2, member)[0]
     momenta = list(saved["state"][i]["exp_avg"] for i in sorted(saved["state"]))
     assert any(e.abs().sum() > 0 for u in saved["onebit"]["units"] for k, e in u.items()
                if k != "numel")  # the errors that must not come back
     for world in (1, 3):
-        ranks = run_ranks(_other_world_worker, world, saved)
+        ranks = run_ranks(_other_world_worker, world, saved, member)
         for rank, result in enumerate(ranks):
             assert result["stage"] == "compression" and result["step"] == 7
             assert all(torch.equal(a, b) for a, b in zip(result["loaded"], momenta,
@@ -649,8 +659,6 @@ def test_a_compression_stage_state_resumes_on_another_world_size_errors_restarte
 
 
 def _between_syncs_worker(rank, world):
-    from onebit_plugin import ZeroOneAdam
-
     model = _model()
     opt = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=4, local_step_scaler=1,
                       local_step_clipper=4)
@@ -666,8 +674,6 @@ def _between_syncs_worker(rank, world):
 def test_a_zero_one_state_between_syncs_on_another_world_size_is_a_clear_error():
     """Between syncs each rank holds its own parameters: on another world size they cannot be
     placed, so the load refuses and names the way out (a checkpoint at a sync)."""
-    from onebit_plugin import ZeroOneAdam
-
     saved = run_ranks(_between_syncs_worker, 2)[0]
     opt = ZeroOneAdam(_model().parameters(), lr=1e-2, var_freeze_step=4, local_step_scaler=1,
                       local_step_clipper=4)
