@@ -136,7 +136,12 @@ def new_group(group: dist.ProcessGroup | None, timeout: timedelta | None) -> dis
         # gets twice that, at least 30 s more: CommunicationError comes first, then the group is
         # aborted (wait_collectives).
         timeout = timeout + max(timeout, WATCHDOG_MARGIN)
-    return dist.new_group(ranks=ranks, timeout=timeout)
+    if ranks is None or len(ranks) == dist.get_world_size():
+        return dist.new_group(ranks=ranks, timeout=timeout)
+    # A subgroup (data parallel beside tensor or pipeline parallelism): only its members reach
+    # this, each subgroup's when its optimizer first needs it. Without local synchronization
+    # every process of the world must call new_group, in the same order, and wait for all.
+    return dist.new_group(ranks=ranks, timeout=timeout, use_local_synchronization=True)
 
 
 def resolve_device(device) -> torch.device:

@@ -171,6 +171,10 @@ MUTANTS = [
        "    return dist.new_group(ranks=ranks)",
        "tests/test_faults.py::test_survivor_fails_clearly_and_exits_within_the_timeout"
        "[hang-optimizer-side]"),
+    _m("subgroup-made-world-wide", "row: a data-parallel subgroup", AR,
+       "    return dist.new_group(ranks=ranks, timeout=timeout, use_local_synchronization=True)",
+       "    return dist.new_group(ranks=ranks, timeout=timeout)",
+       "tests/test_faults.py::test_a_data_parallel_subgroup_makes_its_own_group_alone"),
     _m("restart-from-oldest", "row: restart", "examples/train_torchrun.py",
        'sorted(Path(folder).glob("step*"), reverse=True)', 'sorted(Path(folder).glob("step*"))',
        "tests/test_restart.py::"

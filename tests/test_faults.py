@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from onebit_plugin import OneBitAdam
-from tests.dist_helpers import free_port, run_ranks
+from tests.dist_helpers import assert_ranks_identical, free_port, run_ranks
 from tests.procs import owned_processes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,3 +154,49 @@ def test_nccl_watchdog_waits_longer_than_comm_timeout(monkeypatch, backend):
         assert made == [timedelta(seconds=33), timedelta(seconds=200)]
     else:
         assert made == [timedelta(seconds=3), timedelta(seconds=100)]
+
+
+def _data_parallel_subgroup_worker(rank, world):
+    """4 ranks as 2 data-parallel groups of 2 (beside, say, tensor parallelism): only the
+    first group's OneBitAdam has comm_timeout, so only ranks 0 and 1 make a group of their own,
+    at their first step; ranks 2 and 3 train plain Adam on theirs meanwhile."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    groups = [dist.new_group(ranks=[0, 1]), dist.new_group(ranks=[2, 3])]
+    mine = groups[rank // 2]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    if rank < 2:
+        opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2, comm_timeout=20,
+                         process_group=mine)
+    else:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        opt.zero_grad()
+        model(torch.randn(3, 8, generator=gen)).square().sum().backward()
+        if rank >= 2:
+            for p in model.parameters():
+                dist.all_reduce(p.grad, group=mine)
+        opt.step()
+    # A group every rank makes afterwards (a checkpoint's gloo group, the user's own): its name
+    # comes from a count of the groups made so far, so it meets only if every rank counted
+    # the same.
+    everyone = dist.new_group(timeout=timedelta(seconds=20))
+    total = torch.ones(1)
+    dist.all_reduce(total, group=everyone)
+    return ([p.detach().clone() for p in model.parameters()], getattr(opt, "stage", None),
+            float(total))
+
+
+def test_a_data_parallel_subgroup_makes_its_own_group_alone():
+    """new_group(ranks=subset) must be entered by every process of the world, in the same
+    order, unless it synchronizes locally: without that, ranks 0 and 1 counted one group more
+    than 2 and 3, and the next group every rank made never met (gloo: a timeout; with
+    TORCH_DIST_INIT_BARRIER=1 the subgroup itself hangs)."""
+    results = run_ranks(_data_parallel_subgroup_worker, 4, timeout=90)
+    assert [stage for _, stage, _ in results] == ["compression", "compression", None, None]
+    assert_ranks_identical([params for params, _, _ in results[:2]], "group 0's parameters")
+    assert [total for _, _, total in results] == [4.0] * 4
