@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import torch
 
-from onebit_plugin import OneBitOptimizer
+from onebit_plugin import OneBitOptimizer, group_timeout
 from onebit_plugin.integrations.ddp_strategies import (
     check_precision,
     ddp_kwargs,
@@ -112,9 +112,12 @@ def make_strategy_class(pl, callback_cls, module: str):
             OneBitAdam's collectives (between two micro-batches, in data loading) is only
             noticed there, after that group's timeout (30 minutes by default), so with
             ``comm_timeout`` and no ``timeout=`` of the user's the default group gets
-            ``comm_timeout`` too. It is set after the rendezvous, whose store timeout stays the
-            default (ranks may start seconds apart). A checkpoint that rank 0 writes for longer
-            than ``comm_timeout`` while the others wait at a barrier then fails: size it."""
+            ``comm_timeout`` too; on NCCL, whose watchdog ends the process at a group's
+            timeout, ``group_timeout``'s longer one, so that a hang inside OneBitAdam's
+            collectives ends in its ``CommunicationError`` first. It is set after the
+            rendezvous, whose store timeout stays the default (ranks may start seconds apart).
+            A checkpoint that rank 0 writes for longer than that while the others wait at a
+            barrier then fails: size it."""
             if comm_timeout is None or self._user_timeout is not None or self.world_size < 2:
                 return
             set_timeout = getattr(torch.distributed.distributed_c10d, "_set_pg_timeout", None)
@@ -125,9 +128,10 @@ def make_strategy_class(pl, callback_cls, module: str):
                     "OneBitAdamStrategy(timeout=timedelta(seconds=...)) to bound them.",
                     self._timeout)
                 return
-            set_timeout(comm_timeout)
-            log.info("onebit: the default process group's timeout is comm_timeout (%s)",
-                     comm_timeout)
+            timeout = group_timeout(comm_timeout, torch.distributed.get_backend())
+            set_timeout(timeout)
+            log.info("onebit: the default process group's timeout is %s (comm_timeout %s)",
+                     timeout, comm_timeout)
 
         @override
         def setup_environment(self) -> None:

@@ -10,7 +10,12 @@ the same compressed momentum. ``from_deepspeed_config`` builds any of them from 
 config.
 """
 
-from onebit_plugin.allreduce import CommunicationError, ExactAllreduce, OneBitAllreduce
+from onebit_plugin.allreduce import (
+    CommunicationError,
+    ExactAllreduce,
+    OneBitAllreduce,
+    group_timeout,
+)
 from onebit_plugin.base import OneBitOptimizer
 from onebit_plugin.compression import ChunkLayout
 from onebit_plugin.config import OneBitConfig, settings_from_env
@@ -54,6 +59,7 @@ __all__ = [
     "from_deepspeed_config",
     "frozen_denominator",
     "frozen_update_",
+    "group_timeout",
     "onebit_hook",
     "register_onebit_hook",
     "settings_from_env",

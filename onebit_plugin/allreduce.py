@@ -48,6 +48,7 @@ __all__ = [
     "all_finite",
     "comm_executor",
     "group_size_and_rank",
+    "group_timeout",
     "resolve_device",
     "new_group",
     "wait_collectives",
@@ -125,17 +126,23 @@ def group_size_and_rank(group) -> tuple[int, int]:
 WATCHDOG_MARGIN = timedelta(seconds=30)
 
 
+def group_timeout(timeout: timedelta, backend: str) -> timedelta:
+    """The backend timeout of a group whose collectives may take ``timeout`` (``comm_timeout``)
+    before the step raises :class:`CommunicationError`. gloo ends a stuck collective at the
+    group's timeout, which is then the one to give; NCCL's watchdog instead ends the *process*
+    at it (TORCH_NCCL_ASYNC_ERROR_HANDLING's default). Every wait of the optimizer passes
+    ``timeout`` itself (an NCCL wait with a timeout blocks and raises), so the watchdog gets
+    twice that, at least 30 s more: CommunicationError comes first, then the group is aborted
+    (wait_collectives). The Lightning strategy gives the default group the same."""
+    return timeout + max(timeout, WATCHDOG_MARGIN) if backend == "nccl" else timeout
+
+
 def new_group(group: dist.ProcessGroup | None, timeout: timedelta | None) -> dist.ProcessGroup:
     """A group of the ranks of ``group`` (the world for None) for the optimizer's collectives,
-    with ``timeout`` (made on every rank at the same point, as every new group)."""
+    with ``timeout`` (``group_timeout``)."""
     ranks = dist.get_process_group_ranks(group) if group is not None else None
-    if timeout is not None and dist.get_backend(group) == "nccl":
-        # gloo ends a stuck collective at the group's timeout; NCCL's watchdog instead ends the
-        # *process* at it (TORCH_NCCL_ASYNC_ERROR_HANDLING's default). Every wait here passes
-        # comm_timeout itself (an NCCL wait with a timeout blocks and raises), so the watchdog
-        # gets twice that, at least 30 s more: CommunicationError comes first, then the group is
-        # aborted (wait_collectives).
-        timeout = timeout + max(timeout, WATCHDOG_MARGIN)
+    if timeout is not None:
+        timeout = group_timeout(timeout, dist.get_backend(group))
     if ranks is None or len(ranks) == dist.get_world_size():
         return dist.new_group(ranks=ranks, timeout=timeout)
     # A subgroup (data parallel beside tensor or pipeline parallelism): only its members reach

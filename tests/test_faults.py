@@ -156,6 +156,29 @@ def test_nccl_watchdog_waits_longer_than_comm_timeout(monkeypatch, backend):
         assert made == [timedelta(seconds=3), timedelta(seconds=100)]
 
 
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_lightnings_default_group_gets_the_same_timeout_as_the_optimizers(monkeypatch, backend):
+    """strategy="onebit_adam" with comm_timeout bounds the default group (Lightning's and DDP's
+    collectives) too: with comm_timeout itself on gloo, but on NCCL with the optimizer group's
+    longer timeout, or the watchdog would end the process before CommunicationError."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    pytest.importorskip("pytorch_lightning")
+    from onebit_plugin.integrations.lightning import classes_for
+
+    strategy_cls = classes_for("pytorch_lightning")[0]
+    given = []
+    monkeypatch.setattr(c10d, "_set_pg_timeout", lambda timeout, group=None: given.append(timeout))
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    fake = SimpleNamespace(_user_timeout=None, world_size=2, _timeout=None)
+    strategy_cls._bound_default_group(fake, timedelta(seconds=3))
+    assert given == [timedelta(seconds=33 if backend == "nccl" else 3)]
+
 def _data_parallel_subgroup_worker(rank, world):
     """4 ranks as 2 data-parallel groups of 2 (beside, say, tensor parallelism): only the
     first group's OneBitAdam has comm_timeout, so only ranks 0 and 1 make a group of their own,
