@@ -58,7 +58,10 @@ from torch.nn.parallel import DistributedDataParallel
 from onebit_plugin import OneBitAdam, OneBitLamb, OneBitOptimizer, ZeroOneAdam
 from onebit_plugin.config import EnvSettings
 from onebit_plugin.ddp_hook import OneBitHookState, register_onebit_hook
-from onebit_plugin.integrations.ddp_strategies import say_at_exit_if_uncompressed
+from onebit_plugin.integrations.ddp_strategies import (
+    say_at_exit_if_uncompressed,
+    settle_before_teardown,
+)
 from onebit_plugin.integrations.rank_states import load_rank_states, save_rank_states
 
 __all__ = ["Accelerator", "OneBitSettings", "to_member"]
@@ -298,6 +301,7 @@ class Accelerator(accelerate.Accelerator):
         # script's code alone suggests.
         opt = self._onebit_pending[0]
         say_at_exit_if_uncompressed(opt)
+        settle_before_teardown()
         self.print(f"onebit: {type(opt).__name__} on: it averages with the 1-bit hook "
                    f"(overlap={self.onebit_hook_state.overlap}, DDP gradient_as_bucket_view="
                    f"{self._onebit_models[0].gradient_as_bucket_view}); the momentum is "

@@ -223,3 +223,24 @@ def test_a_data_parallel_subgroup_makes_its_own_group_alone():
     assert [stage for _, stage, _ in results] == ["compression", "compression", None, None]
     assert_ranks_identical([params for params, _, _ in results[:2]], "group 0's parameters")
     assert [total for _, _, total in results] == [4.0] * 4
+
+
+def test_the_integrations_collect_garbage_right_before_the_group_is_destroyed(monkeypatch):
+    """gloo's exit race (docs/limits.md): once an integration has paired an optimizer, the
+    default group's destroy_process_group() (Lightning's at exit, Accelerate's end_training,
+    a script's own) runs gc.collect() first, once per call; another group's does not."""
+    import gc
+
+    import torch.distributed as dist
+
+    from onebit_plugin.integrations import ddp_strategies
+
+    calls = []
+    monkeypatch.setattr(dist, "destroy_process_group", lambda group=None: calls.append(group))
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append("collect"))
+    monkeypatch.setattr(ddp_strategies, "_SETTLING", [])
+    ddp_strategies.settle_before_teardown()
+    ddp_strategies.settle_before_teardown()  # once per process: not wrapped twice
+    dist.destroy_process_group()
+    dist.destroy_process_group("a subgroup")
+    assert calls == ["collect", None, "a subgroup"]
