@@ -137,18 +137,25 @@ def group_timeout(timeout: timedelta, backend: str) -> timedelta:
     return timeout + max(timeout, WATCHDOG_MARGIN) if backend == "nccl" else timeout
 
 
-def new_group(group: dist.ProcessGroup | None, timeout: timedelta | None) -> dist.ProcessGroup:
+def new_group(group: dist.ProcessGroup | None, timeout: timedelta | None,
+              device: torch.device | None = None) -> dist.ProcessGroup:
     """A group of the ranks of ``group`` (the world for None) for the optimizer's collectives,
-    with ``timeout`` (``group_timeout``)."""
+    with ``timeout`` (``group_timeout``), its NCCL communicator made now on ``device``'s GPU."""
+    backend = dist.get_backend(group)
     ranks = dist.get_process_group_ranks(group) if group is not None else None
     if timeout is not None:
-        timeout = group_timeout(timeout, dist.get_backend(group))
+        timeout = group_timeout(timeout, backend)
+    # NCCL makes a group's communicator at its first collective, unless bound to a device: a
+    # run resumed straight into the compression stage would make it on the background thread,
+    # in the middle of backward. Made here, on the thread that makes the group.
+    eager = {"device_id": device} if backend == "nccl" and device is not None and \
+        device.type == "cuda" else {}
     if ranks is None or len(ranks) == dist.get_world_size():
-        return dist.new_group(ranks=ranks, timeout=timeout)
+        return dist.new_group(ranks=ranks, timeout=timeout, **eager)
     # A subgroup (data parallel beside tensor or pipeline parallelism): only its members reach
     # this, each subgroup's when its optimizer first needs it. Without local synchronization
     # every process of the world must call new_group, in the same order, and wait for all.
-    return dist.new_group(ranks=ranks, timeout=timeout, use_local_synchronization=True)
+    return dist.new_group(ranks=ranks, timeout=timeout, use_local_synchronization=True, **eager)
 
 
 def resolve_device(device) -> torch.device:

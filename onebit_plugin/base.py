@@ -211,7 +211,7 @@ class OneBitOptimizer(Optimizer):
         DDP hook) one of its own, made on every rank at the first use, whose backend timeout is
         ``comm_timeout``, so that a process can exit after a peer fails (docs/design.md)."""
         if not self._group_ready and self.comm_timeout is not None and self.world_size > 1:
-            self._comm_group = new_group(self.process_group, self.comm_timeout)
+            self._comm_group = new_group(self.process_group, self.comm_timeout, self._device())
         self._group_ready = True
         return self._comm_group
 
@@ -230,7 +230,7 @@ class OneBitOptimizer(Optimizer):
             self._unit_cap_bytes = int(bucket_bytes)
         if not self._group_ready or self._comm_group is process_group or \
                 comm_timeout is not None:
-            self._comm_group = new_group(process_group, self.comm_timeout)
+            self._comm_group = new_group(process_group, self.comm_timeout, self._device())
             self._group_ready = True
         self.counts.detach()  # resumed before the hook existed: the counts go on
         return self._comm_group
@@ -303,7 +303,7 @@ class OneBitOptimizer(Optimizer):
         subset has no compression-stage counterpart)."""
         trainable = self._trainable()
         check_clip_args(max_norm, norm_type, params, trainable)
-        device = trainable[0].device if trainable else torch.device("cpu")
+        device = self._device()
         handoff = self.handoff
         coming = self.coming_exchange
         if coming in (LOCAL, SYNC):
@@ -346,6 +346,10 @@ class OneBitOptimizer(Optimizer):
     def _trainable(self) -> list[torch.Tensor]:
         # Fixed order, the same on every rank: the units are cut from it.
         return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    def _device(self) -> torch.device:
+        trainable = self._trainable()
+        return trainable[0].device if trainable else torch.device("cpu")
 
     @torch._disable_dynamo
     def add_param_group(self, param_group: dict) -> None:

@@ -157,6 +157,25 @@ def test_nccl_watchdog_waits_longer_than_comm_timeout(monkeypatch, backend):
 
 
 
+@pytest.mark.parametrize("backend,device,eager", [
+    ("nccl", "cuda:0", True), ("nccl", "cpu", False), ("gloo", "cuda:0", False)])
+def test_an_nccl_group_makes_its_communicator_when_it_is_made(monkeypatch, backend, device,
+                                                               eager):
+    """NCCL makes a communicator at a group's first collective unless the group is bound to a
+    device: the optimizer's group is bound to its parameters' GPU, so a run resumed straight
+    into the compression stage does not make it on the background thread inside backward."""
+    import torch.distributed as dist
+
+    from onebit_plugin.allreduce import new_group
+
+    made = []
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "new_group", lambda **kwargs: made.append(kwargs))
+    new_group(None, None, torch.device(device))
+    assert made == [{"ranks": None, "timeout": None,
+                     **({"device_id": torch.device(device)} if eager else {})}]
+
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
 def test_lightnings_default_group_gets_the_same_timeout_as_the_optimizers(monkeypatch, backend):
     """strategy="onebit_adam" with comm_timeout bounds the default group (Lightning's and DDP's
