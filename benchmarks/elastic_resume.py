@@ -28,7 +28,6 @@ import argparse
 import copy
 import io
 import os
-import socket
 import statistics
 import sys
 import time
@@ -36,11 +35,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fidelity import STEPS, WORKLOADS  # noqa: E402 - benchmarks/fidelity.py
+from fidelity import (  # noqa: E402 - benchmarks/fidelity.py
+    STEPS,
+    WORKLOADS,
+    largest_abs,
+    report,
+    spawn_ranks,
+)
 from record import append_run, shown  # noqa: E402 - benchmarks/record.py
 
 VARIANTS = {"uninterrupted": 2, "2->2": 2, "2->1": 1, "2->4": 4, "2->2, errors restarted": 2}
@@ -82,51 +86,16 @@ def _rank(rank, world, port, workload, seed, resume_at, saved, queue):
                 torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
                 state = buffer.getvalue()
         check_lockstep(model.parameters(), opt)
-        result = {"val_loss": work.val_loss(model), "switch_step": opt.switch_step,
-                  "max_abs": {n: float(p.detach().abs().max())
-                              for n, p in model.named_parameters()},
-                  "state": state}
-        payload = io.BytesIO()
-        torch.save(result, payload)
-        queue.put((rank, payload.getvalue()))
+        report(queue, rank, {"val_loss": work.val_loss(model), "switch_step": opt.switch_step,
+                             "max_abs": largest_abs(model), "state": state})
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         queue.put((rank, repr(exc).encode()))
 
 
-def run(workload, seed, world, resume_at, saved=None) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("fork")
-    queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, workload, seed, resume_at, saved,
-                                             queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results, deadline = {}, time.monotonic() + 900
-    try:
-        while len(results) < world:
-            if queue.empty():
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"{workload}/seed {seed}/{world} ranks: rank(s) {dead} "
-                                       "died without a result" if dead else "timed out")
-                time.sleep(0.05)
-                continue
-            rank, payload = queue.get()
-            try:
-                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-            except Exception:  # noqa: BLE001 - a rank's error text
-                raise RuntimeError(f"{workload}/seed {seed} rank {rank}: "
-                                   f"{payload.decode()}") from None
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return [results[r] for r in range(world)]
+def run(workload, seed, world, resume_at, saved=None) -> list[dict]:
+    return spawn_ranks(_rank, world, (workload, seed, resume_at, saved),
+                       f"{workload}/seed {seed}/{world} ranks", timeout=900)
 
 
 def summarize(rows: list[dict]) -> str:

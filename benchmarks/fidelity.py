@@ -311,51 +311,67 @@ def _rank(rank, world, port, workload, variant, seed, queue):
                   "seconds": time.perf_counter() - began,
                   "switch_step": getattr(opt, "switch_step", None),
                   "skipped_steps": getattr(opt, "skipped_steps", 0),
-                  "max_abs": {n: float(p.detach().abs().max())
-                              for n, p in model.named_parameters()}}
-        payload = io.BytesIO()
-        torch.save(result, payload)
-        queue.put((rank, payload.getvalue()))
+                  "max_abs": largest_abs(model)}
+        report(queue, rank, result)
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         queue.put((rank, repr(exc).encode()))
 
 
+def largest_abs(model) -> dict[str, float]:
+    return {n: float(p.detach().abs().max()) for n, p in model.named_parameters()}
+
+
+def report(queue, rank: int, result: dict) -> None:
+    """A rank's result to the parent (``spawn_ranks``)."""
+    payload = io.BytesIO()
+    torch.save(result, payload)
+    queue.put((rank, payload.getvalue()))
+
+
 def run(workload, variant, seed, world=2) -> dict:
+    results = spawn_ranks(_rank, world, (workload, variant, seed), f"{workload}/{variant}/seed "
+                          f"{seed}")
+    out = results[0]
+    out["bytes"] = sum(r["bytes"] for r in results) / world  # per rank, mean
+    return out
+
+
+def spawn_ranks(target, world: int, args: tuple, what: str, timeout: float = 600) -> list:
+    """``target(rank, world, port, *args, queue)`` on ``world`` forked gloo ranks, each putting
+    ``(rank, torch.save'd result or its error text)`` on the queue; the results in rank order.
+    A rank that dies or reports an error, or a run past ``timeout`` seconds, raises."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("fork")
     queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, workload, variant, seed, queue))
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue))
              for r in range(world)]
     for p in procs:
         p.start()
-    results, deadline = {}, time.monotonic() + 600
+    results, deadline = {}, time.monotonic() + timeout
     try:
         while len(results) < world:
             if queue.empty():
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"{workload}/{variant}/seed {seed}: rank(s) {dead} died "
-                                       "without a result" if dead else "timed out")
+                    raise RuntimeError(f"{what}: rank(s) {dead} died without a result" if dead
+                                       else f"{what}: timed out")
                 time.sleep(0.05)
                 continue
             rank, payload = queue.get()
             try:
                 results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             except Exception:  # noqa: BLE001 - a rank's error text
-                raise RuntimeError(f"{workload}/{variant}/seed {seed} rank {rank}: "
-                                   f"{payload.decode()}") from None
+                raise RuntimeError(f"{what} rank {rank}: {payload.decode()}") from None
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
                 p.join()
-    out = results[0]
-    out["bytes"] = sum(r["bytes"] for r in results.values()) / world  # per rank, mean
-    return out
+    return [results[r] for r in range(world)]
 
 
 # ----------------------------------------------------------------------------- report
