@@ -204,7 +204,7 @@ class Accelerator(accelerate.Accelerator):
         optimizers = self._onebit_optimizers()
         if optimizers:
             self.wait_for_everyone()  # the main process made the folder
-            save_rank_states(location, self.process_index, optimizers)
+            save_rank_states(location, self.process_index, self.num_processes, optimizers)
             self.wait_for_everyone()
         return location
 

@@ -29,11 +29,27 @@ def rank_file(folder, rank: int) -> Path:
     return Path(folder) / f"onebit_rank{rank}.pt"
 
 
-def save_rank_states(folder, rank: int, optimizers: list[OneBitAdam]) -> Path:
+def _ranks_in(folder: Path) -> dict[int, Path]:
+    found = {}
+    for path in folder.glob("onebit_rank*.pt"):
+        digits = path.stem.removeprefix("onebit_rank")
+        if digits.isdigit():
+            found[int(digits)] = path
+    return found
+
+
+def save_rank_states(folder, rank: int, world: int, optimizers: list[OneBitAdam]) -> Path:
     path = rank_file(folder, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save([o.onebit_state_dict() for o in optimizers], path.with_suffix(".tmp"))
     path.with_suffix(".tmp").replace(path)  # never a half-written file under the real name
+    if rank == 0:
+        # An earlier run with more processes may have saved into this folder (an elastic
+        # restart that saves where it loaded): its higher ranks' files are not this
+        # checkpoint's. No rank of this run writes them.
+        for other, stale in _ranks_in(path.parent).items():
+            if other >= world:
+                stale.unlink(missing_ok=True)
     return path
 
 
@@ -41,13 +57,8 @@ def load_rank_states(folder, rank: int, world: int, optimizers: list[OneBitAdam]
     """Load this rank's file into ``optimizers``, whose regular state (step, switch step) the
     framework has already loaded from the same checkpoint."""
     folder = Path(folder)
-    saved = sorted(p.name for p in folder.glob("onebit_rank*.pt"))
-    if saved and saved != sorted(rank_file(folder, r).name for r in range(len(saved))):
-        raise ValueError(
-            f"{folder} holds the OneBitAdam error buffers of ranks {saved}: one is missing "
-            "(every rank writes its own); resume from a complete checkpoint"
-        )
-    if not saved:
+    files = _ranks_in(folder)
+    if not files:
         if all(o.switch_step is None for o in optimizers):
             _say_other_world(0, world)
             return
@@ -56,23 +67,35 @@ def load_rank_states(folder, rank: int, world: int, optimizers: list[OneBitAdam]
             "resumes the compression stage: resume from a checkpoint written with the 1-bit "
             "optimizer on"
         )
-    if len(saved) == world:
-        for optimizer, state in zip(optimizers, _read(rank_file(folder, rank), optimizers),
-                                    strict=True):
+    saved_world = len(files)
+    if saved_world != world or sorted(files) != list(range(saved_world)):
+        # Another world size, a file missing, or files an earlier run left: rank 0's file
+        # says how many ranks wrote this checkpoint (and is checked to belong to it).
+        if 0 not in files:
+            raise ValueError(f"{folder} holds the OneBitAdam error buffers of ranks "
+                             f"{sorted(files)}: rank 0's is missing; resume from a complete "
+                             "checkpoint")
+        saved_world = _read(files[0], optimizers)[0]["world_size"]
+        missing = [r for r in range(saved_world) if r not in files]
+        if missing:
+            raise ValueError(
+                f"{folder} holds the OneBitAdam error buffers of ranks {sorted(files)}, and "
+                f"rank 0's file says {saved_world} ranks wrote it: ranks {missing}'s are "
+                "missing (every rank writes its own); resume from a complete checkpoint")
+        if rank == 0 and any(r >= saved_world for r in files):
+            log.info("onebit: %s: the files of ranks %s are left from another run (rank 0's "
+                     "file says %d ranks wrote this checkpoint) and are not read", folder,
+                     sorted(r for r in files if r >= saved_world), saved_world)
+    if saved_world == world:
+        for optimizer, state in zip(optimizers, _read(files[rank], optimizers), strict=True):
             optimizer.load_onebit_state_dict(state)
         return
     # Another world size. What the files hold besides each rank's errors (step, counters, the
     # auto freeze's snapshots of the averaged variance) is rank 0's, already loaded with the
     # framework's optimizer state; in the compression stage that load restarted the error
-    # feedback (and said so), or refused a 0/1 Adam state saved between syncs. Rank 0's file
-    # is read only to know that the files and the checkpoint belong together.
-    path = rank_file(folder, 0)
-    for state in _read(path, optimizers):
-        if state["world_size"] != len(saved):
-            raise ValueError(f"{path} was saved by {state['world_size']} ranks and {folder} "
-                             f"holds {len(saved)} ranks' files: it comes from another run")
+    # feedback (and said so), or refused a 0/1 Adam state saved between syncs.
     if all(o.switch_step is None for o in optimizers):
-        _say_other_world(len(saved), world)
+        _say_other_world(saved_world, world)
 
 
 def _read(path: Path, optimizers: list[OneBitAdam]) -> list[dict]:

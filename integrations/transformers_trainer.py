@@ -43,7 +43,8 @@ def patch_trainer(trainer_cls) -> None:
     def save_with_ranks(self, output_dir, *args, **kwargs):
         save(self, output_dir, *args, **kwargs)
         if optimizers := _onebit(self):
-            save_rank_states(output_dir, self.args.process_index, optimizers)
+            save_rank_states(output_dir, self.args.process_index, self.args.world_size,
+                             optimizers)
 
     @functools.wraps(load)
     def load_with_ranks(self, checkpoint, *args, **kwargs):

@@ -265,10 +265,12 @@ class OneBitOptimizer(Optimizer):
             log.warning(
                 "onebit: training ended %d local steps after the last sync: every rank holds "
                 "parameters of its own, and what rank 0 saves or evaluates is rank 0's alone. "
+                "%s, or call optimizer.sync_local_steps() on every rank before saving",
+                self.local_steps.steps,
                 "Give the optimizer the run's length (total_steps=, ONEBIT_TOTAL_STEPS or "
-                "onebit-run --total-steps) so that the last step syncs, or call "
-                "optimizer.sync_local_steps() on every rank before saving",
-                self.local_steps.steps)
+                "onebit-run --total-steps) so that the last step syncs" if self.total_steps
+                is None else f"The run stopped before the total_steps={self.total_steps} "
+                "the optimizer was given, whose last step syncs")
 
     @torch.no_grad()
     def sync_local_steps(self) -> None:

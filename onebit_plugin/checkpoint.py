@@ -117,12 +117,12 @@ def _restart_error_feedback(opt, onebit: dict, saved_world: int) -> dict:
         )
     if group_size_and_rank(opt.process_group)[1] == 0:
         log.warning(
-            "onebit: resuming the compression stage (frozen after step %s) saved by %d "
-            "ranks on %d: error buffers are per rank and do not map onto another world size, "
-            "so the error feedback restarts from zero; momentum, frozen variance and step "
+            "onebit: resuming a compressed stage (compressing since after step %s) saved by "
+            "%d ranks on %d: error buffers are per rank and do not map onto another world "
+            "size, so the error feedback restarts from zero; the momentum, variance and step "
             "carry on. The run goes on from there, not bit for bit as the uninterrupted one; "
-            "what that cost on make fidelity's workloads is in docs/limits.md "
-            "(\"Another world size\")", onebit["switch_step"], saved_world, opt.world_size)
+            "what that cost (benchmarks/elastic_resume.py) is in docs/limits.md, \"Another "
+            "world size\"", onebit["switch_step"], saved_world, opt.world_size)
     return dict(onebit, units=None)
 
 

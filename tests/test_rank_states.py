@@ -31,7 +31,7 @@ def _trained(steps: int) -> OneBitAdam:
 def test_round_trip_and_every_bad_file_names_itself(tmp_path):
     saved = _trained(4)  # compression stage
     for rank in (0, 1):
-        save_rank_states(tmp_path / "a", rank, [saved])
+        save_rank_states(tmp_path / "a", rank, 2, [saved])
     assert not list((tmp_path / "a").glob("*.tmp"))  # written under a temporary name first
 
     fresh = _trained(4)
@@ -47,12 +47,24 @@ def test_round_trip_and_every_bad_file_names_itself(tmp_path):
     load_rank_states(tmp_path / "two", 0, 3, [fresh])
     (tmp_path / "gap").mkdir()
     (tmp_path / "two" / "onebit_rank1.pt").rename(tmp_path / "gap" / "onebit_rank1.pt")
-    with pytest.raises(ValueError, match=r"holds the OneBitAdam error buffers of ranks "
-                                         r"\['onebit_rank1.pt'\]: one is missing"):
+    with pytest.raises(ValueError, match=r"holds the OneBitAdam error buffers of ranks \[1\]: "
+                                         r"rank 0's is missing"):
         load_rank_states(tmp_path / "gap", 1, 2, [fresh])
-    with pytest.raises(ValueError, match=r"onebit_rank0.pt was saved by 2 ranks and .* holds 1 "
-                                         r"ranks' files"):  # rank 0's file alone: not that run
+    with pytest.raises(ValueError, match=r"ranks \[0\], and rank 0's file says 2 ranks wrote "
+                                         r"it: ranks \[1\]'s are missing"):
         load_rank_states(tmp_path / "two", 0, 3, [fresh])
+    # A 2-rank save into a folder where a 3-rank run saved: rank 0 removes the third file; one
+    # left there anyway (an older version's save) is not read.
+    (tmp_path / "gap" / "onebit_rank1.pt").rename(tmp_path / "two" / "onebit_rank1.pt")
+    torch.save([dict(saved.onebit_state_dict(), world_size=3)],
+               tmp_path / "two" / "onebit_rank2.pt")
+    load_rank_states(tmp_path / "two", 1, 2, [fresh])  # as 2 ranks: rank 1's own file
+    load_rank_states(tmp_path / "two", 0, 3, [fresh])  # as 3: another world size
+    save_rank_states(tmp_path / "two", 1, 2, [fresh])
+    assert (tmp_path / "two" / "onebit_rank2.pt").exists()  # rank 1 leaves it
+    save_rank_states(tmp_path / "two", 0, 2, [fresh])
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == [
+        "onebit_rank0.pt", "onebit_rank1.pt"]
 
     (tmp_path / "a" / "onebit_rank1.pt").write_bytes(
         (tmp_path / "a" / "onebit_rank1.pt").read_bytes()[:100])
@@ -79,7 +91,7 @@ class _Touch:
 def test_a_crafted_file_runs_no_code_and_is_named(tmp_path):
     saved = _trained(4)
     for rank in (0, 1):
-        save_rank_states(tmp_path / "a", rank, [saved])
+        save_rank_states(tmp_path / "a", rank, 2, [saved])
     marker = tmp_path / "ran"
     torch.save([_Touch(marker)], tmp_path / "a" / "onebit_rank1.pt")
     with pytest.raises(ValueError, match=r"onebit_rank1.pt: cannot read this rank's"):
@@ -117,7 +129,7 @@ def _two_rank_round_trip_worker(rank, world, folder):
         return opt
 
     saved = trained()
-    save_rank_states(folder, rank, [saved])
+    save_rank_states(folder, rank, world, [saved])
     torch.distributed.barrier()
     fresh = trained()
     regular = saved.state_dict()

@@ -329,11 +329,12 @@ def test_between_syncs_each_rank_resumes_its_own_parameters_from_rank_0s_checkpo
             assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
 
 
-def _ended_apart_worker(rank, world):
+def _ended_apart_worker(rank, world, total=None):
     model = _model()
-    # Both numbers given, no run length: the last step need not sync.
+    # Both numbers given and no run length (the last step need not sync), or a run stopped
+    # before its length.
     opt = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=12, var_update_scaler=4,
-                      local_step_scaler=1, local_step_clipper=4)
+                      local_step_scaler=1, local_step_clipper=4, total_steps=total)
     for step in range(19):  # 13, 14 and 16 sync; 17-19 are local
         opt.zero_grad()
         _loss(model, rank, step).backward()
@@ -351,11 +352,13 @@ def _ended_apart_worker(rank, world):
         [p.detach().clone() for p in model.parameters()]
 
 
-def test_a_run_ending_between_syncs_is_said_and_sync_local_steps_lands_every_rank():
+@pytest.mark.parametrize("total,advice", [(None, "Give the optimizer the run's length"),
+                                          (40, "stopped before the total_steps=40")])
+def test_a_run_ending_between_syncs_is_said_and_sync_local_steps_lands_every_rank(total, advice):
     (apart0, said0, after0, params0), (apart1, said1, after1, params1) = \
-        run_ranks(_ended_apart_worker, 2)
+        run_ranks(_ended_apart_worker, 2, total)
     assert apart0 and apart1
-    assert any("3 local steps after the last sync" in m and "total_steps" in m for m in said0)
+    assert any("3 local steps after the last sync" in m and advice in m for m in said0), said0
     assert not after0 and not after1
     assert all(torch.equal(p, q) for p, q in zip(params0, params1, strict=True))
 
