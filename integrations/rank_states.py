@@ -179,12 +179,12 @@ def own_rank_state(state: dict, rank: int, world: int) -> dict:
                 f"{world} processes; every rank needs its own to resume the compression stage"
             )
         return state
-    if len(ranks) != world and onebit.get("switch_step") is None:  # warm-up: any world size
-        _say_other_world(len(ranks), world)
-        return {k: v for k, v in state.items() if k != "onebit_ranks"}
     state = {k: v for k, v in state.items() if k != "onebit_ranks"}
     if len(ranks) != world:
-        # Compression stage on another world size: rank 0's state, whose load restarts the
-        # error feedback (and says so), or refuses a 0/1 Adam state saved between syncs.
+        # Another world size: rank 0's state. Warm-up holds no error buffers; in the
+        # compression stage its load restarts the error feedback (and says so), or refuses a
+        # 0/1 Adam state saved between syncs.
+        if onebit.get("switch_step") is None:
+            _say_other_world(len(ranks), world)
         return state
     return dict(state, onebit=ranks[rank])
