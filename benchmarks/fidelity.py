@@ -70,7 +70,16 @@ ZERO_ONE = {"zero_one": {}, "zero_one_local16_early": {"local_step_scaler": 8},
             # What costs what: phase B syncing every step (no local steps), and phase A only
             # (refreshes for the whole run, no phase B).
             "zero_one_sync_every_step": {"local_step_clipper": 1},
-            "zero_one_phase_a_only": {"var_freeze_step": 100_000}}
+            "zero_one_phase_a_only": {"var_freeze_step": 100_000},
+            # Where phase B's cost lies (docs/benchmarks.md, "0/1 Adam, long runs"): without
+            # the step bound, a later freeze, and syncs averaged exactly (_exact_syncs).
+            "zero_one_unbounded": {"bound_update": False},
+            "zero_one_sync_unbounded": {"local_step_clipper": 1, "bound_update": False},
+            "zero_one_freeze400": {"var_freeze_step": 400},
+            "zero_one_freeze400_sync": {"var_freeze_step": 400, "local_step_clipper": 1},
+            "zero_one_exact_sync": {}}
+# 1-bit Adam at fixed freeze steps other than FIXED_FREEZE (0/1 Adam's comparisons).
+ONEBIT_FIXED = {"onebit_fixed240": 240}
 # 1-bit LAMB on the large-batch workload: LAMB itself (never frozen), 1-bit LAMB's defaults
 # (freeze_step="auto"), and Adam at three learning rates.
 # What costs what: the same freeze with the momentum averaged exactly (the frozen ratio and
@@ -79,7 +88,7 @@ LAMB = {"lamb": {"freeze_step": 10**9}, "onebit_lamb": {"freeze_step": "auto"},
         "onebit_lamb_exact": {"freeze_step": "auto", "compress_momentum": False},
         "onebit_lamb_unbounded": {"freeze_step": "auto", "bound_update": False}}
 ADAM_LRS = {"adam_lr1e-3": 1e-3, "adam_lr3e-3": 3e-3, "adam_lr1e-2": 1e-2}
-ALL_VARIANTS = VARIANTS + list(ZERO_ONE) + list(LAMB) + list(ADAM_LRS)
+ALL_VARIANTS = VARIANTS + list(ONEBIT_FIXED) + list(ZERO_ONE) + list(LAMB) + list(ADAM_LRS)
 # The collectives a rank calls, counted by wrapping torch.distributed's functions (DDP's own
 # C++ allreduce is not one of them: the plain-Adam variants average through an equal Python
 # hook so that theirs are counted too). "Rounds": calls per optimizer step.
@@ -228,6 +237,8 @@ def _optimizer(variant, ddp, lr):
     if variant in ZERO_ONE:
         from onebit_plugin import ZeroOneAdam
 
+        if variant == "zero_one_exact_sync":
+            _exact_syncs()
         opt = ZeroOneAdam(ddp.parameters(), lr=lr, total_steps=STEPS,
                           max_skipped_steps=STEPS + 1, **ZERO_ONE[variant])
         register_onebit_hook(ddp, opt)
@@ -235,7 +246,8 @@ def _optimizer(variant, ddp, lr):
     if variant.startswith("onebit"):
         # Skipped steps (inf/NaN gradients) are counted and reported, not fatal.
         opt = OneBitAdam(ddp.parameters(), lr=lr, total_steps=STEPS, max_skipped_steps=STEPS + 1,
-                         freeze_step=FIXED_FREEZE if variant == "onebit_fixed" else "auto",
+                         freeze_step=FIXED_FREEZE if variant == "onebit_fixed" else
+                         ONEBIT_FIXED.get(variant, "auto"),
                          bound_update=variant != "onebit_auto_unbounded",
                          master_weights=variant.endswith("_master"),
                          error_dtype="bfloat16" if variant.endswith("compact_errors")
@@ -252,6 +264,25 @@ def _optimizer(variant, ddp, lr):
     else:  # DDP's default averaging, in Python so that its allreduces are counted
         ddp.register_comm_hook(None, _mean_allreduce)
     return torch.optim.Adam(ddp.parameters(), lr=lr)
+
+
+def _exact_syncs() -> None:
+    """A diagnostic, not a setting: 0/1 Adam's syncs averaged by an exact fp32 allreduce instead
+    of the 1-bit one (this rank's process only), to tell the local steps' own cost from the
+    sync's compression error. Reaches into ``onebit_plugin.local_steps`` on purpose."""
+    from onebit_plugin import local_steps
+
+    class Exact:
+        @staticmethod
+        def reduce_(buffer, plan, errors):
+            dist.all_reduce(buffer)
+            buffer.div_(dist.get_world_size())
+            return True
+
+    send = local_steps.LocalSteps.send_
+    local_steps.LocalSteps.send_ = (
+        lambda self, units, comm, groups, fp32_of, corrections:
+        send(self, units, Exact(), groups, fp32_of, corrections))
 
 
 def _mean_allreduce(_, bucket):

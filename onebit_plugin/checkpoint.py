@@ -31,7 +31,8 @@ def onebit_state(opt) -> dict:
             "rank": group_size_and_rank(opt.process_group)[1],
             "unit_cap_bytes": opt._unit_cap_bytes, **opt.counts.state_dict(),
             "clipping": opt.handoff.sketch is not None, "units": units,
-            "local_steps": local_steps.saved_state(opt), "syncs": opt.syncs}
+            "local_steps": local_steps.saved_state(opt), "syncs": opt.syncs,
+            "variance_clock": "steps"}
 
 
 def load_state(opt, state_dict: dict, torch_load) -> None:
@@ -72,6 +73,7 @@ def load_onebit_state(opt, onebit: dict) -> None:
     if "units" not in onebit:
         raise ValueError("this OneBitAdam state was saved by an older onebit-plugin "
                          "(no momentum units); resume it with that version")
+    _refuse_refresh_counts(opt, onebit)
     saved_world = onebit["world_size"]
     if onebit["switch_step"] is not None and saved_world != opt.world_size:
         onebit = _restart_error_feedback(opt, onebit, saved_world)
@@ -99,6 +101,22 @@ def load_onebit_state(opt, onebit: dict) -> None:
                           rank=onebit.get("rank"))  # absent in states saved before this field
     opt._forget_layout()
     local_steps.load_saved_state(opt, onebit.get("local_steps"))
+
+
+def _refuse_refresh_counts(opt, onebit: dict) -> None:
+    """A 0/1 Adam state saved in phase A before ``variance_clock``: its ``frozen_step`` counted
+    the variance's refreshes, which now count the steps each stands for (``ZeroOnePolicy``),
+    so its variance would be weighted and bias-corrected wrongly from the next refresh on."""
+    if onebit.get("variance_clock") == "steps" or not opt.policy.keeps_variance or \
+            onebit["switch_step"] is None:
+        return
+    if any("exp_avg_sq" in opt.state[p] for p in opt._trainable()):
+        raise ValueError(
+            "this ZeroOneAdam state was saved in phase A by an older onebit-plugin, whose "
+            "variance refreshes counted one step each; a refresh now stands for every step "
+            "since the previous one (docs/usage.md, \"0/1 Adam\"), and the saved variance "
+            "does not convert: resume it with the version that saved it, or from a "
+            "checkpoint written in phase B")
 
 
 def _restart_error_feedback(opt, onebit: dict, saved_world: int) -> dict:

@@ -303,10 +303,19 @@ MUTANTS = [
        "            torch.ge(piece, e, out=out)\n",
        "tests/test_optimizer.py::test_attention_key_bias_moves_no_more_than_under_adam"),
     # 0/1 Adam (issue 29)
-    _m("zero-one-refresh-not-counted", "row: 0/1 Adam's phase A", ZERO_ONE,
-       '            s["frozen_step"] += 1.0\n', "            pass\n",
+    _m("zero-one-refresh-counted-as-one-step", "row: 0/1 Adam's phase A", ZERO_ONE,
+       '            s["frozen_step"] += gap\n', '            s["frozen_step"] += 1.0\n',
        "tests/test_zero_one.py::"
        "test_phase_a_in_one_process_is_adam_whose_variance_moves_only_on_refresh_steps"),
+    _m("zero-one-refresh-weighted-as-one-step", "row: 0/1 Adam's phase A", ZERO_ONE,
+       "            keep = beta2 ** gap\n", "            keep = beta2\n",
+       "tests/test_zero_one.py::"
+       "test_phase_a_in_one_process_is_adam_whose_variance_moves_only_on_refresh_steps"),
+    _m("zero-one-old-refresh-counts-loaded", "row: 0/1 Adam's phase A", CKPT,
+       '    if onebit.get("variance_clock") == "steps" or not opt.policy.keeps_variance or \\\n',
+       '    if True or not opt.policy.keeps_variance or \\\n',
+       "tests/test_zero_one.py::"
+       "test_a_phase_a_state_from_before_steps_weighted_refreshes_is_a_clear_error"),
     _m("zero-one-denominators-not-refreshed", "row: 0/1 Adam's phase A",
        "onebit_plugin/compression_stage.py",
        "    refresh_denominators(opt.units, opt.state,",

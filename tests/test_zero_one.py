@@ -91,7 +91,8 @@ def test_the_first_var_update_scaler_steps_are_adamw_bit_for_bit():
 def test_phase_a_in_one_process_is_adam_whose_variance_moves_only_on_refresh_steps(decoupled):
     """Phase A, one process (the momentum's exchange is then exact): the momentum follows every
     gradient, the variance only the refresh steps' (1-4, then every 2nd to 12, every 4th to
-    28, ...), its bias correction counting its updates; written out here in plain torch."""
+    28, ...), each refresh weighing the steps since the previous one (``gap``) and the bias
+    correction counting steps; written out here in plain torch."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
     lr, wd, (b1, b2), eps = 1e-2, 0.1, (0.9, 0.999), 1e-8
@@ -101,7 +102,7 @@ def test_phase_a_in_one_process_is_adam_whose_variance_moves_only_on_refresh_ste
     params = [p.detach().clone() for p in model.parameters()]
     m = [torch.zeros_like(p) for p in params]
     v = [torch.zeros_like(p) for p in params]
-    updates = 0
+    updates, last = 0, 0  # last: the step of the previous refresh
     for t in range(1, 61):
         x = torch.randn(32, 8, generator=torch.Generator().manual_seed(t))
         opt.zero_grad()
@@ -115,14 +116,48 @@ def test_phase_a_in_one_process_is_adam_whose_variance_moves_only_on_refresh_ste
                 g = g + wd * p
             m_.mul_(b1).add_(g, alpha=1 - b1)
             if refresh:
-                v_.mul_(b2).addcmul_(g, g, value=1 - b2)
-            denom = (v_ / (1 - b2**updates)).sqrt() + eps
+                v_.mul_(b2 ** (t - last)).addcmul_(g, g, value=1 - b2 ** (t - last))
+            denom = (v_ / (1 - b2 ** (t if refresh else last))).sqrt() + eps
             if decoupled:
                 p.mul_(1 - lr * wd)
             p.sub_(lr * (m_ / (1 - b1**t)) / denom)
+        last = t if refresh else last
     assert opt.phase == "A" and opt.variance_refreshes == updates == refreshes_until(60, 4)
     for p, q in zip(model.parameters(), params, strict=True):
         torch.testing.assert_close(p.detach(), q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_phase_a_state_from_before_steps_weighted_refreshes_is_a_clear_error():
+    """Before ``variance_clock``, a 0/1 Adam refresh counted one step of the variance: a phase-A
+    state of then would be weighted and bias-corrected wrongly from its next refresh on, so it
+    is refused by name; with the mark, and an old state in phase B (its variance frozen), load."""
+    def run(steps):
+        torch.manual_seed(0)
+        model = nn.Linear(6, 3)
+        opt = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=20, var_update_scaler=4,
+                          total_steps=40)
+        for t in range(steps):
+            opt.zero_grad()
+            model(torch.randn(8, 6, generator=torch.Generator().manual_seed(t))).sum().backward()
+            opt.step()
+        return model, opt
+
+    model, opt = run(10)
+    assert opt.phase == "A"
+    saved = opt.state_dict()
+    assert saved["onebit"]["variance_clock"] == "steps"
+    ZeroOneAdam(model.parameters(), var_freeze_step=20, var_update_scaler=4,
+                total_steps=40).load_state_dict(saved)
+    del saved["onebit"]["variance_clock"]
+    with pytest.raises(ValueError, match="saved in phase A by an older onebit-plugin"):
+        ZeroOneAdam(model.parameters(), var_freeze_step=20, var_update_scaler=4,
+                    total_steps=40).load_state_dict(saved)
+    model, opt = run(24)
+    assert opt.phase == "B"
+    saved = opt.state_dict()
+    del saved["onebit"]["variance_clock"]
+    ZeroOneAdam(model.parameters(), var_freeze_step=20, var_update_scaler=4,
+                total_steps=40).load_state_dict(saved)
 
 
 def test_in_one_process_a_sync_lands_where_the_local_steps_went(monkeypatch):
