@@ -136,9 +136,11 @@ def _timed(fn, device, repeats: int = 20) -> float:
     return (time.perf_counter() - t0) / repeats
 
 
-def throughput(device, numel: int, kernels, world: int = 8) -> dict:
-    """GB/s of each kernel (bytes it must read and write) against a copy of fp32 values."""
-    layout, mask, x, error = _data(numel, world, 2048, torch.bfloat16, device, 1)
+def throughput(device, numel: int, kernels, world: int = 8, max_block: int = 2048) -> dict:
+    """GB/s of each kernel (bytes it must read and write) against a copy of fp32 values, at
+    the default block and (``max_block=16384``) the largest, whose tile runs 16 warps and whose
+    server pass spills 144 bytes a thread (ptxas, tests/test_kernels.py)."""
+    layout, mask, x, error = _data(numel, world, max_block, torch.bfloat16, device, 1)
     packed = torch.empty(layout.padded_numel // 8, dtype=torch.uint8, device=device)
     scales = torch.empty(layout.num_blocks, device=device)
     a = torch.randn(numel, device=device)
@@ -163,7 +165,8 @@ def throughput(device, numel: int, kernels, world: int = 8) -> dict:
         "decompress": (lambda: kernels.decompress(packed, scales, mask, layout, out),
                        numel // 8 + numel * (1 + 2)),
     }
-    result = {"numel": numel, "world": world, "copy_GBps": round(copy_gbs, 1)}
+    result = {"numel": numel, "world": world, "max_block": max_block,
+              "copy_GBps": round(copy_gbs, 1)}
     for name, (fn, nbytes) in cases.items():
         seconds = _timed(fn, device)
         result[name] = {"ms": round(seconds * 1e3, 3), "GBps": round(nbytes / seconds / 1e9, 1),
@@ -347,6 +350,8 @@ def main() -> None:
         ("kernels_over_2_31", lambda: kernels_against_reference(device, big, [8],
                                                                 [torch.bfloat16], kernels)),
         ("throughput", lambda: throughput(device, tput, kernels)),
+        ("throughput_max_block_16384", lambda: throughput(device, tput, kernels,
+                                                          max_block=16384)),
         ("end_to_end", lambda: end_to_end(device)),
         ("device_cuda_string", lambda: device_cuda_string(device)),
         ("stream_order_probe", lambda: stream_order_probe(device)),

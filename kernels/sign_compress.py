@@ -23,13 +23,16 @@ from . import block_tile
 
 @triton.jit
 def _block_tile(block, BYTES: tl.constexpr):
-    """This program's block: ``(rows, cols)`` of the byte tile, flat offsets of its values,
-    which of them lie inside the block, and the byte offsets of its packed signs."""
+    """This program's block: its index and first value (int64), ``(rows, cols)`` of the byte
+    tile, the offsets of its values within the block and which of them lie inside it. The
+    offsets are int32, added to pointers that already point at the block: int64 offsets per
+    value took 255 registers and spilled at ``max_block=16384`` (sm_90, ptxas;
+    tests/test_kernels.py reads the report)."""
     pid = tl.program_id(0).to(tl.int64)
     rows = tl.arange(0, BYTES)
     cols = tl.arange(0, 8)
     local = rows[:, None] * 8 + cols[None, :]
-    return pid, rows, cols, pid * block + local, local < block, pid * (block // 8) + rows
+    return pid, pid * block, rows, cols, local, local < block
 
 
 @triton.jit
@@ -53,10 +56,11 @@ def _tree_sum(terms, BYTES: tl.constexpr, LEVELS: tl.constexpr):
 
 
 @triton.jit
-def _encode_store(c, keep, count, cols, rows, block, packed_ptr, byte_offs, scales_ptr, pid,
+def _encode_store(c, keep, count, cols, rows, block, packed, scale_ptr,
                   BYTES: tl.constexpr, LEVELS: tl.constexpr, RMS: tl.constexpr):
-    """Store the signs (``c >= 0`` set) and the block scale of ``c``; return the new error
-    ``c - decode`` (0 on masked coordinates)."""
+    """Store the signs (``c >= 0`` set) at ``packed`` (the block's first byte) and the block
+    scale of ``c`` at ``scale_ptr``; return the new error ``c - decode`` (0 on masked
+    coordinates)."""
     # div_rn and sqrt_rn: correctly rounded, as the reference's. Triton's "/" compiles to
     # div.full.f32 (approximate, up to 2 ulp) and plain sqrt may be approximate; the interpreter
     # divides exactly, so only the compiled PTX shows it (tests/test_kernels.py reads it).
@@ -66,8 +70,8 @@ def _encode_store(c, keep, count, cols, rows, block, packed_ptr, byte_offs, scal
         scale = tl.div_rn(_tree_sum(tl.abs(c), BYTES, LEVELS), count)
     positive = c >= 0
     byte = tl.sum(positive.to(tl.int32) << cols[None, :], axis=1)
-    tl.store(packed_ptr + byte_offs, byte.to(tl.uint8), mask=rows < block // 8)
-    tl.store(scales_ptr + pid, scale)
+    tl.store(packed + rows, byte.to(tl.uint8), mask=rows < block // 8)
+    tl.store(scale_ptr, scale)
     return c - tl.where(keep, tl.where(positive, scale, -scale), 0.0)
 
 
@@ -75,45 +79,53 @@ def _encode_store(c, keep, count, cols, rows, block, packed_ptr, byte_offs, scal
 def _worker_compress_kernel(x_ptr, err_ptr, mask_ptr, counts_ptr, packed_ptr, scales_ptr, n,
                             block, BYTES: tl.constexpr, LEVELS: tl.constexpr,
                             RMS: tl.constexpr):
-    pid, rows, cols, offs, in_block, byte_offs = _block_tile(block, BYTES)
-    keep = tl.load(mask_ptr + offs, mask=in_block, other=0) != 0
-    x = tl.load(x_ptr + offs, mask=in_block & (offs < n), other=0.0).to(tl.float32)
-    err = tl.load(err_ptr + offs, mask=in_block, other=0.0)
+    pid, first, rows, cols, local, in_block = _block_tile(block, BYTES)
+    err_ptr += first
+    keep = tl.load(mask_ptr + first + local, mask=in_block, other=0) != 0
+    # The values past n (the last block's padding) read as 0; int32 against an int32 bound.
+    present = local < tl.minimum(n - first, block).to(tl.int32)
+    x = tl.load(x_ptr + first + local, mask=in_block & present, other=0.0).to(tl.float32)
+    err = tl.load(err_ptr + local, mask=in_block, other=0.0)
     c = tl.where(keep, x + err, 0.0)
-    new_err = _encode_store(c, keep, tl.load(counts_ptr + pid), cols, rows, block, packed_ptr,
-                            byte_offs, scales_ptr, pid, BYTES, LEVELS, RMS)
-    tl.store(err_ptr + offs, new_err, mask=in_block)
+    new_err = _encode_store(c, keep, tl.load(counts_ptr + pid), cols, rows, block,
+                            packed_ptr + pid * (block // 8), scales_ptr + pid, BYTES, LEVELS,
+                            RMS)
+    tl.store(err_ptr + local, new_err, mask=in_block)
 
 
 @triton.jit
 def _server_compress_kernel(recv_packed_ptr, recv_scales_ptr, err_ptr, mask_ptr, counts_ptr,
                             packed_ptr, scales_ptr, world, block, blocks_per_chunk,
                             BYTES: tl.constexpr, LEVELS: tl.constexpr, RMS: tl.constexpr):
-    pid, rows, cols, offs, in_block, byte_offs = _block_tile(block, BYTES)
+    pid, first, rows, cols, local, in_block = _block_tile(block, BYTES)
     chunk_bytes = blocks_per_chunk * (block // 8)
+    received = recv_packed_ptr + pid * (block // 8)
     total = tl.zeros((BYTES, 8), dtype=tl.float32)
     # Senders in rank order, as the torch reference sums them.
     for k in range(world):
         # int64: W * chunk_bytes passes 2**31 for chunks of ~2e9 values (the flat path).
-        byte = tl.load(recv_packed_ptr + tl.cast(k, tl.int64) * chunk_bytes + byte_offs,
-                       mask=rows < block // 8,
-                       other=0)
+        byte = tl.load(received + tl.cast(k, tl.int64) * chunk_bytes + rows,
+                       mask=rows < block // 8, other=0)
         total += _decode(byte, cols, tl.load(recv_scales_ptr + k * blocks_per_chunk + pid))
-    keep = tl.load(mask_ptr + offs, mask=in_block, other=0) != 0
-    err = tl.load(err_ptr + offs, mask=in_block, other=0.0)
+    err_ptr += first
+    keep = tl.load(mask_ptr + first + local, mask=in_block, other=0) != 0
+    err = tl.load(err_ptr + local, mask=in_block, other=0.0)
     y = tl.where(keep, tl.div_rn(total, world.to(tl.float32)), 0.0) + err  # exact, as above
-    new_err = _encode_store(y, keep, tl.load(counts_ptr + pid), cols, rows, block, packed_ptr,
-                            byte_offs, scales_ptr, pid, BYTES, LEVELS, RMS)
-    tl.store(err_ptr + offs, new_err, mask=in_block)
+    new_err = _encode_store(y, keep, tl.load(counts_ptr + pid), cols, rows, block,
+                            packed_ptr + pid * (block // 8), scales_ptr + pid, BYTES, LEVELS,
+                            RMS)
+    tl.store(err_ptr + local, new_err, mask=in_block)
 
 
 @triton.jit
 def _decompress_kernel(packed_ptr, scales_ptr, mask_ptr, out_ptr, n, block, BYTES: tl.constexpr):
-    pid, rows, cols, offs, in_block, byte_offs = _block_tile(block, BYTES)
-    byte = tl.load(packed_ptr + byte_offs, mask=rows < block // 8, other=0)
-    keep = tl.load(mask_ptr + offs, mask=in_block, other=0) != 0
+    pid, first, rows, cols, local, in_block = _block_tile(block, BYTES)
+    byte = tl.load(packed_ptr + pid * (block // 8) + rows, mask=rows < block // 8, other=0)
+    keep = tl.load(mask_ptr + first + local, mask=in_block, other=0) != 0
     value = tl.where(keep, _decode(byte, cols, tl.load(scales_ptr + pid)), 0.0)
-    tl.store(out_ptr + offs, value.to(out_ptr.dtype.element_ty), mask=in_block & (offs < n))
+    present = local < tl.minimum(n - first, block).to(tl.int32)
+    tl.store(out_ptr + first + local, value.to(out_ptr.dtype.element_ty),
+             mask=in_block & present)
 
 
 def _launch_config(layout, *tensors: torch.Tensor) -> dict:
@@ -127,10 +139,14 @@ def _launch_config(layout, *tensors: torch.Tensor) -> dict:
         if not t.is_contiguous():
             raise ValueError(f"kernel argument of shape {tuple(t.shape)} is not contiguous")
     tile = block_tile(layout.block) // 8
-    # One warp per 256 values of the block (32 lanes x 8 values), 1 to 8 warps. No fused
-    # multiply-add: the reference rounds c*c before adding it.
-    return {"BYTES": tile, "num_warps": min(8, max(1, tile // 32)),
-            "enable_fp_fusion": False}
+    # No fused multiply-add: the reference rounds c*c before adding it.
+    return {"BYTES": tile, "num_warps": num_warps(tile), "enable_fp_fusion": False}
+
+
+def num_warps(tile: int) -> int:
+    """One warp per 256 values of the block (32 lanes x 8 values), 1 to 16 warps: 16 at
+    max_block=16384, where 8 left 64 values a thread and 203-255 registers (sm_90)."""
+    return min(16, max(1, tile // 32))
 
 
 def _sum_config(layout) -> dict:

@@ -125,13 +125,17 @@ def count_step(opt) -> list[float]:
     return opt._steps.tolist()
 
 
-def frozen_update(opt, counts: list[float], *, averaged: bool) -> None:
+def frozen_update(opt, counts: list[float], *, averaged: bool, local: bool = False) -> None:
     """The policy's compression-stage update of every group over the units' denominators,
-    from the units' averages (``averaged``) or from the momenta as they are."""
+    from the units' averages (``averaged``) or from the momenta as they are; ``local``: a
+    local step's, on this rank's own momentum (its bound, ``local_steps.local_bound``)."""
+    bound = None
+    if opt.config.bound_update:
+        bound = local_steps.local_bound(opt.world_size) if local else 1.0
     for group, params, index, units, exp_avgs, denoms in update_rows(opt)[0]:
         opt.policy.compression_update_(
             group, params, exp_avgs, denoms, [counts[i] for i in index],
-            bounded=opt.config.bound_update,
+            bound=bound,
             masters=([opt._master(p, opt.state[p]) for p in params]
                      if opt.config.master_weights else None),
             averaged=([u.averaged(p) for u, p in zip(units, params, strict=True)]

@@ -65,7 +65,7 @@ class LambPolicy(Policy):
         state["lamb_coeff"] = state.get("lamb_coeff", 0.0) / weight if weight else 1.0
         state.setdefault("last_factor", 1.0)
 
-    def compression_update_(self, group, params, exp_avgs, denoms, counts, *, bounded, masters,
+    def compression_update_(self, group, params, exp_avgs, denoms, counts, *, bound, masters,
                             averaged, states) -> None:
         factors = frozen_lamb_update_(
             params, exp_avgs, denoms, [s["exp_avg_sq_fresh"] for s in states], counts,
@@ -74,7 +74,7 @@ class LambPolicy(Policy):
             coeffs=[s["lamb_coeff"] for s in states],
             last_factors=[s["last_factor"] for s in states], factor_min=group["factor_min"],
             factor_max=group["factor_max"], factor_threshold=group["factor_threshold"],
-            bounded=bounded, masters=masters)
+            bound=bound, masters=masters)
         for state, factor in zip(states, factors, strict=True):
             state["last_factor"] = factor
             state["last_ratio"] = state["lamb_coeff"] * factor

@@ -99,7 +99,7 @@ class Policy:
         raise NotImplementedError
 
     def compression_update_(self, group: dict, params: list[torch.Tensor], exp_avgs, denoms,
-                            counts: list[float], *, bounded: bool, masters, averaged,
+                            counts: list[float], *, bound: float | None, masters, averaged,
                             states) -> None:
         """The compression stage's update of ``params``: ``averaged`` (the averaged momenta,
         or their parts still encoded) becomes ``exp_avgs``, and the parameters move by it over
@@ -150,9 +150,9 @@ class AdamPolicy(Policy):
                      eps=group["eps"], weight_decay=group["weight_decay"],
                      decoupled=group["decoupled_weight_decay"], masters=masters)
 
-    def compression_update_(self, group, params, exp_avgs, denoms, counts, *, bounded, masters,
+    def compression_update_(self, group, params, exp_avgs, denoms, counts, *, bound, masters,
                             averaged, states) -> None:
         frozen_update_(params, exp_avgs, denoms, counts, lr=group["lr"],
                        beta1=group["betas"][0], weight_decay=group["weight_decay"],
-                       decoupled=group["decoupled_weight_decay"], bounded=bounded,
+                       decoupled=group["decoupled_weight_decay"], bound=bound,
                        masters=masters, averaged=averaged)

@@ -133,7 +133,7 @@ def frozen_denominator(exp_avg_sq: torch.Tensor, frozen_step: float, *, beta2: f
 def frozen_update_(
     params: list[torch.Tensor], exp_avgs: list[torch.Tensor], denoms: list[torch.Tensor],
     steps: list[float], *, lr: float, beta1: float, weight_decay: float, decoupled: bool,
-    bounded: bool = True, masters: list[torch.Tensor | None] | None = None,
+    bound: float | None = 1.0, masters: list[torch.Tensor | None] | None = None,
     averaged: list[torch.Tensor | Encoded] | None = None,
 ) -> None:
     """The compression-stage update of one parameter group: each parameter moves by
@@ -142,18 +142,19 @@ def frozen_update_(
     pass of the C kernel each (``kernels/cpu_update.c``, when it could be built); the others
     foreach ops (one kernel per operation for the whole group), with the same bits.
 
-    ``bounded``: the variance is taken as at least ``m_hat**2``, so each coordinate's
-    ``m_hat / denom`` is clamped to +-1 (``lr`` per step). A second moment is never below the
-    square of a mean of the same gradients (Jensen); a variance frozen before a coordinate's
-    gradients grew (a rare embedding row, attention weights) breaks that, and would let the
-    coordinate run away. The clamp acts on each step's decoded momentum (``+-scale`` per
-    coordinate, right only on average through error feedback), so it also slows coordinates
-    whose true step is inside the bound; docs/design.md, "Bounded steps", measures what that
-    costs. ``masters``: fp32 master copies (or None) per parameter. ``averaged``: the new
-    momenta (the optimizer passes its fold buffer, which holds the averaged momentum by then,
-    or :class:`Encoded` parts of the allreduce's average, decoded by the same pass), copied
-    into ``exp_avgs`` by the same pass and then free to be overwritten; without it ``exp_avgs``
-    already hold them, and the torch passes allocate their ratios."""
+    ``bound`` (None: no bound): the variance is taken as at least ``(m_hat / bound)**2``, so
+    each coordinate's ``m_hat / denom`` is clamped to +-``bound`` (``bound * lr`` per step; 1
+    for an averaged momentum, more for a local step's, ``onebit_plugin.local_steps``). A second
+    moment is never below the square of a mean of the same gradients (Jensen); a variance frozen
+    before a coordinate's gradients grew (a rare embedding row, attention weights) breaks that,
+    and would let the coordinate run away. The clamp acts on each step's decoded momentum
+    (``+-scale`` per coordinate, right only on average through error feedback), so it also slows
+    coordinates whose true step is inside the bound; docs/design.md, "Bounded steps", measures
+    what that costs. ``masters``: fp32 master copies (or None) per parameter. ``averaged``: the
+    new momenta (the optimizer passes its fold buffer, which holds the averaged momentum by
+    then, or :class:`Encoded` parts of the allreduce's average, decoded by the same pass),
+    copied into ``exp_avgs`` by the same pass and then free to be overwritten; without it
+    ``exp_avgs`` already hold them, and the torch passes allocate their ratios."""
     masters = masters or [None] * len(params)
     p32 = [_fp32_param(p, m) for p, m in zip(params, masters, strict=True)]
     decay = 1 - lr * weight_decay if weight_decay != 0 and decoupled else 1.0
@@ -171,7 +172,7 @@ def frozen_update_(
             # One pass instead of the six below, the same bits (kernels/cpu_update.c); an
             # encoded average decoded as it is read (the fold buffer neither written nor read).
             rows.append((p, new, d, None if averaged is None else m, -(lr / corrections[i]),
-                         corrections[i] if bounded else None))
+                         None if bound is None else corrections[i] * bound))
             continue
         if encoded:
             averaged[i] = new.decoded()
@@ -185,12 +186,12 @@ def frozen_update_(
             torch._foreach_copy_([exp_avgs[i] for i in rest], work)
         _frozen_update_passes([p32[i] for i in rest], [exp_avgs[i] for i in rest],
                               [denoms[i] for i in rest], [corrections[i] for i in rest],
-                              lr=lr, decay=decay, bounded=bounded, work=work)
+                              lr=lr, decay=decay, bound=bound, work=work)
     for param, p in zip(params, p32, strict=True):
         _write_back(param, p)
 
 
-def _frozen_update_passes(p32, exp_avgs, denoms, corrections, *, lr, decay, bounded, work):
+def _frozen_update_passes(p32, exp_avgs, denoms, corrections, *, lr, decay, bound, work):
     """The torch passes of :func:`frozen_update_` (GPU tensors, bf16 parameters without master
     copies, or no C compiler), multi-tensor: ``p *= decay``, ``r = m / d``, the clamp,
     ``r *= -lr / correction``, ``p += r``, each rounded once (not ``add_`` with ``alpha``,
@@ -209,14 +210,15 @@ def _frozen_update_passes(p32, exp_avgs, denoms, corrections, *, lr, decay, boun
         by_correction.setdefault(correction, []).append(i)
     for correction, index in by_correction.items():
         these = [ratios[i] for i in index]
-        if bounded:
+        if bound is not None:
+            limit = correction * bound
             # One pass per large tensor; the small ones in two foreach passes (fewer launches).
             small = [r for r in these if r.numel() < 1 << 16]
             for r in these:
                 if r.numel() >= 1 << 16:
-                    r.clamp_(-correction, correction)
+                    r.clamp_(-limit, limit)
             if small:
-                torch._foreach_clamp_min_(small, -correction)
-                torch._foreach_clamp_max_(small, correction)
+                torch._foreach_clamp_min_(small, -limit)
+                torch._foreach_clamp_max_(small, limit)
         torch._foreach_mul_(these, -(lr / correction))
         torch._foreach_add_([p32[i] for i in index], these)

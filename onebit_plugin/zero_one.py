@@ -155,7 +155,8 @@ class ZeroOneAdam(OneBitOptimizer):
 
     The family's options (``OneBitAdam``'s docstring): ``max_block``, ``scale``,
     ``mask_zero_variance``, ``masks``, ``process_group``, ``average_grads``, ``bound_update``
-    (each local step, and each sync, moves a coordinate by at most ``lr`` per step),
+    (a sync moves the common point by at most ``lr`` per step, a local step a rank's by at
+    most ``sqrt(W) * lr``: ``onebit_plugin.local_steps.local_bound``),
     ``comm_timeout``, ``bucket_cap_mb``, ``max_skipped_steps``, ``master_weights``.
     """
 

@@ -157,7 +157,7 @@ MUTANTS = [
        "tests/test_ddp_hook.py::test_the_last_buckets_hook_returns_after_every_unit_is_averaged"),
     # The C update pass (the CPU default) gets the bound as this argument.
     _m("unbounded-steps", "row: bounded steps", "onebit_plugin/update.py",
-       "corrections[i] if bounded else None))", "None))",
+       "None if bound is None else corrections[i] * bound))", "None))",
        "tests/test_bounded_steps.py::test_a_rarely_seen_coordinate_moves_at_most_lr_per_step"),
     _m("auto-ceiling-25", "row: freeze_step='auto'", "onebit_plugin/freeze.py",
        "CEILING = 0.20", "CEILING = 0.25",
@@ -316,6 +316,12 @@ MUTANTS = [
        '    if True or not opt.policy.keeps_variance or \\\n',
        "tests/test_zero_one.py::"
        "test_a_phase_a_state_from_before_steps_weighted_refreshes_is_a_clear_error"),
+    _m("zero-one-local-bound-is-the-averages", "row: 0/1 Adam's phase B",
+       "onebit_plugin/compression_stage.py",
+       "        bound = local_steps.local_bound(opt.world_size) if local else 1.0\n",
+       "        bound = 1.0\n",
+       "tests/test_zero_one.py::"
+       "test_a_local_step_is_bounded_at_sqrt_w_lr_and_the_common_point_at_lr"),
     _m("zero-one-denominators-not-refreshed", "row: 0/1 Adam's phase A",
        "onebit_plugin/compression_stage.py",
        "    refresh_denominators(opt.units, opt.state,",
@@ -347,7 +353,7 @@ MUTANTS = [
        "        ratio = trust_ratio(p, u, max_coeff=max_coeff, min_coeff=min_coeff)\n",
        "        ratio = 1.0\n", "tests/test_lamb.py::test_the_warm_up_is_lamb"),
     _m("lamb-unbounded", "row: 1-bit LAMB", "onebit_plugin/lamb_update.py",
-       "        if bounded:\n            u_adam.clamp_(-1.0, 1.0)",
+       "        if bound is not None:\n            u_adam.clamp_(-bound, bound)",
        "        if False:\n            u_adam.clamp_(-1.0, 1.0)",
        "tests/test_lamb.py::"
        "test_the_bound_keeps_rare_embedding_rows_near_lambs_and_without_it_they_run_away"),

@@ -92,7 +92,7 @@ def _exact_reference(rank):
             m.copy_(local)
             denom = frozen_denominator(v, FREEZE, beta2=0.999, eps=1e-8)
             frozen_update_([p.data], [m], [denom], [step], lr=LR, beta1=0.9,
-                           weight_decay=0.01, decoupled=False, bounded=True)
+                           weight_decay=0.01, decoupled=False, bound=1.0)
     return [p.detach().clone() for p in params]
 
 

@@ -236,6 +236,40 @@ def _run(rank, world, steps, *, ddp=False, interval=4, wd=0.0, save_at=None, ckp
     return trace
 
 
+def _rare_coordinate(rank, world, lr):
+    """Coordinate 0 has a tiny gradient in the refreshes (its denominator about 1e-3), then
+    one a thousand times larger; coordinate 1 a different gradient on each rank. Returns what
+    each step exchanged and the values after it."""
+    p = nn.Parameter(torch.zeros(2))
+    opt = ZeroOneAdam([p], lr=lr, var_freeze_step=2, var_update_scaler=1, local_step_scaler=1,
+                      local_step_clipper=4, total_steps=8)
+    seen = []
+    for t in range(1, 9):
+        p.grad = torch.tensor([1e-3 if t <= 2 else 1.0, 1.0 if rank == 0 else -0.2])
+        opt.step()
+        seen.append((opt.coming_exchange, p.detach().clone()))
+    return seen
+
+
+def test_a_local_step_is_bounded_at_sqrt_w_lr_and_the_common_point_at_lr():
+    """bound_update in phase B: a local step's ``m_hat / denom`` is clamped to sqrt(W) (its
+    momentum averages 1/W of the batch), the landing's average to 1. Steps 3 and 4 sync, 5-7 are
+    local, 8 syncs (interval 4): coordinate 0, over a zero variance, moves sqrt(2) lr per local
+    step on each rank, and the common point 4 lr over the 4 steps to the sync, no more."""
+    lr = 1e-2
+    ranks = run_ranks(_rare_coordinate, 2, lr)
+    for seen in ranks:
+        values = [v for _, v in seen]
+        for t in (5, 6, 7):  # values[t - 1]: after step t
+            moved = float(values[t - 2][0] - values[t - 1][0])
+            assert moved == pytest.approx(2**0.5 * lr, rel=1e-5), (t, moved)
+        assert float(values[3][0] - values[7][0]) == pytest.approx(4 * lr, rel=1e-5)
+    # The ranks' second coordinates (gradients 1 and -0.2) differ after a local step and agree
+    # after the sync.
+    assert not torch.equal(ranks[0][5][1], ranks[1][5][1])
+    assert torch.equal(ranks[0][7][1], ranks[1][7][1])
+
+
 def test_ranks_differ_between_syncs_and_are_bit_identical_after_each():
     traces = run_ranks(_run, 2, 40)
     kinds = [k for k, _ in traces[0]]
