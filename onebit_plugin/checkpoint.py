@@ -38,6 +38,8 @@ def onebit_state(opt) -> dict:
 def load_state(opt, state_dict: dict, torch_load) -> None:
     """``opt.load_state_dict(state_dict)``; ``torch_load``: torch's ``Optimizer`` loader."""
     onebit = state_dict.get("onebit")
+    if onebit is not None:  # before anything is loaded: a refused state leaves nothing behind
+        _refuse_refresh_counts(opt, onebit, state_dict["state"].values())
     # torch casts loaded state to each param's dtype; keep our fp32 state fp32.
     saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
     own = [p for g in opt.param_groups for p in g["params"]]
@@ -73,7 +75,7 @@ def load_onebit_state(opt, onebit: dict) -> None:
     if "units" not in onebit:
         raise ValueError("this OneBitAdam state was saved by an older onebit-plugin "
                          "(no momentum units); resume it with that version")
-    _refuse_refresh_counts(opt, onebit)
+    _refuse_refresh_counts(opt, onebit, [opt.state[p] for p in opt._trainable()])
     saved_world = onebit["world_size"]
     if onebit["switch_step"] is not None and saved_world != opt.world_size:
         onebit = _restart_error_feedback(opt, onebit, saved_world)
@@ -103,20 +105,22 @@ def load_onebit_state(opt, onebit: dict) -> None:
     local_steps.load_saved_state(opt, onebit.get("local_steps"))
 
 
-def _refuse_refresh_counts(opt, onebit: dict) -> None:
-    """A 0/1 Adam state saved in phase A before ``variance_clock``: its ``frozen_step`` counted
-    the variance's refreshes, which now count the steps each stands for (``ZeroOnePolicy``),
-    so its variance would be weighted and bias-corrected wrongly from the next refresh on."""
+def _refuse_refresh_counts(opt, onebit: dict, states) -> None:
+    """A 0/1 Adam state saved in phase A (``states``: its per-parameter states, which hold the
+    variance until phase B) before ``variance_clock``: its ``frozen_step`` counted the
+    variance's refreshes, which now count the steps each stands for (``ZeroOnePolicy``), so its
+    variance would be weighted and bias-corrected wrongly from the next refresh on."""
     if onebit.get("variance_clock") == "steps" or not opt.policy.keeps_variance or \
             onebit["switch_step"] is None:
         return
-    if any("exp_avg_sq" in opt.state[p] for p in opt._trainable()):
+    if any("exp_avg_sq" in s for s in states):
         raise ValueError(
-            "this ZeroOneAdam state was saved in phase A by an older onebit-plugin, whose "
-            "variance refreshes counted one step each; a refresh now stands for every step "
-            "since the previous one (docs/usage.md, \"0/1 Adam\"), and the saved variance "
-            "does not convert: resume it with the version that saved it, or from a "
-            "checkpoint written in phase B")
+            f"this ZeroOneAdam state was saved in phase A (step {onebit['global_step']}) by "
+            "onebit-plugin before commit 120a7c6 (its 'onebit' entry has no 'variance_clock'): "
+            "its variance refreshes counted one step each, and a refresh now stands for every "
+            "step since the previous one (docs/usage.md, \"0/1 Adam\"); the saved variance "
+            "does not convert. Nothing was loaded. Resume it with a checkout before 120a7c6 "
+            "up to phase B (var_freeze_step) and save there: phase-B checkpoints load")
 
 
 def _restart_error_feedback(opt, onebit: dict, saved_world: int) -> dict:

@@ -263,7 +263,7 @@ def saved_state(opt) -> dict | None:
         return None
     trainable = opt._trainable()
     return {**local.state_dict(opt.units),
-            "params": [opt._fp32_of(p).clone() for p in trainable],
+            "params": [opt._fp32_of(p).detach().clone() for p in trainable],
             "momenta": [opt.state[p]["exp_avg"].clone() for p in trainable]}
 
 

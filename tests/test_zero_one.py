@@ -2,6 +2,7 @@
 ranks apart between syncs and bit-identical after each, the same numbers with and without the
 DDP hook, nothing sent by a local step, and bitwise resume in every phase."""
 
+import copy
 import functools
 
 import pytest
@@ -149,12 +150,18 @@ def test_a_phase_a_state_from_before_steps_weighted_refreshes_is_a_clear_error()
     ZeroOneAdam(model.parameters(), var_freeze_step=20, var_update_scaler=4,
                 total_steps=40).load_state_dict(saved)
     del saved["onebit"]["variance_clock"]
-    with pytest.raises(ValueError, match="saved in phase A by an older onebit-plugin"):
-        ZeroOneAdam(model.parameters(), var_freeze_step=20, var_update_scaler=4,
-                    total_steps=40).load_state_dict(saved)
-    model, opt = run(24)
-    assert opt.phase == "B"
+    fresh = ZeroOneAdam(model.parameters(), var_freeze_step=20, var_update_scaler=4,
+                        total_steps=40)
+    with pytest.raises(ValueError, match=r"saved in phase A \(step 10\) by onebit-plugin "
+                       r"before commit 120a7c6 .*'variance_clock'.*Nothing was loaded"):
+        fresh.load_state_dict(saved)
+    assert not fresh.state and fresh.global_step == 0  # refused before anything was loaded
+    model, opt = run(25)  # phase B, between syncs (they fall at 24 and 28)
+    assert opt.phase == "B" and opt.local_steps.steps == 1
     saved = opt.state_dict()
+    # Between syncs the state holds this rank's own parameters: plain tensors, no graph.
+    assert not any(t.requires_grad for t in saved["onebit"]["local_steps"]["params"])
+    copy.deepcopy(saved)
     del saved["onebit"]["variance_clock"]
     ZeroOneAdam(model.parameters(), var_freeze_step=20, var_update_scaler=4,
                 total_steps=40).load_state_dict(saved)
