@@ -86,9 +86,18 @@ def all_finite(tensors) -> bool:
 def wait_collectives(works: list, timeout: timedelta | None, what: str, group=None) -> None:
     """Wait for collectives, turning a failure or a timeout into a CommunicationError that
     says which rank saw it and what to do."""
+    limit = timeout
     try:
+        if timeout is not None and _is_nccl(group):
+            # NCCL's wait(timeout) sleeps 1 ms between checks of the work's end (WorkNCCL::
+            # synchronize in torch 2.13): at least 1 ms per exchange, two per momentum unit,
+            # where the exchange itself may take tens of microseconds. Polled here instead, at
+            # most 1 ms late only once the wait has lasted about 1 ms already; then wait()
+            # without a timeout raises the work's error, if any, and orders the stream after it.
+            _poll_until_done(works, timeout)
+            limit = None
         for work in works:
-            work.wait() if timeout is None else work.wait(timeout)
+            work.wait() if limit is None else work.wait(limit)
     except RuntimeError as exc:
         world, rank = group_size_and_rank(group)
         limit = "" if timeout is None else f" (timeout {timeout.total_seconds():g} s)"
@@ -101,15 +110,33 @@ def wait_collectives(works: list, timeout: timedelta | None, what: str, group=No
         ) from exc
 
 
+def _is_nccl(group) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl"
+
+
+_sleep = time.sleep  # patched by the tests
+
+
+def _poll_until_done(works: list, timeout: timedelta) -> None:
+    """Return once every work reports completion (success or failure); RuntimeError once
+    ``timeout`` has passed. The pauses double from 10 us up to 1 ms."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    pause = 0.0
+    for work in works:
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not completed after {timeout.total_seconds():g} s")
+            _sleep(pause)
+            pause = min(max(2 * pause, 1e-5), 1e-3)
+
+
 def _abort_if_nccl(group) -> None:
     """An NCCL collective that timed out stays enqueued on the GPU, and the process cannot end
     while it is; gloo releases its thread at its own timeout (``comm_timeout`` on OneBitAdam's
     group). So on NCCL the group is aborted, as torch's docs prescribe, before the error is
     raised. Not run on a GPU yet (docs/guarantees.md); NCCL's watchdog, with the same timeout
     and the default ``TORCH_NCCL_ASYNC_ERROR_HANDLING``, may end the process first."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    if dist.get_backend(group) != "nccl":
+    if not _is_nccl(group):
         return
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # torch >= 2.6
     if abort is not None:
@@ -130,8 +157,8 @@ def group_timeout(timeout: timedelta, backend: str) -> timedelta:
     """The backend timeout of a group whose collectives may take ``timeout`` (``comm_timeout``)
     before the step raises :class:`CommunicationError`. gloo ends a stuck collective at the
     group's timeout, which is then the one to give; NCCL's watchdog instead ends the *process*
-    at it (TORCH_NCCL_ASYNC_ERROR_HANDLING's default). Every wait of the optimizer passes
-    ``timeout`` itself (an NCCL wait with a timeout blocks and raises), so the watchdog gets
+    at it (TORCH_NCCL_ASYNC_ERROR_HANDLING's default). Every wait of the optimizer enforces
+    ``timeout`` itself (on NCCL by polling the work's completion), so the watchdog gets
     twice that, at least 30 s more: CommunicationError comes first, then the group is aborted
     (wait_collectives). The Lightning strategy gives the default group the same."""
     return timeout + max(timeout, WATCHDOG_MARGIN) if backend == "nccl" else timeout

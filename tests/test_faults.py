@@ -108,8 +108,64 @@ def test_training_resumes_from_the_last_checkpoint_after_a_fault(tmp_path):
 
 
 class _TimedOut:
+    def is_completed(self):  # a work that failed is completed
+        return True
+
     def wait(self, timeout=None):
         raise RuntimeError("Timed out waiting 2000ms for recv operation to complete")
+
+
+class _Work:
+    """A collective that completes after ``polls`` checks (never for None)."""
+
+    def __init__(self, polls):
+        self.polls, self.checks, self.waits = polls, 0, []
+
+    def is_completed(self):
+        self.checks += 1
+        return self.polls is not None and self.checks > self.polls
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        return True
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_an_nccl_wait_with_comm_timeout_polls_instead_of_sleeping_a_millisecond(monkeypatch,
+                                                                              backend):
+    """NCCL's wait(timeout) sleeps 1 ms between its checks: at least 1 ms per exchange. On
+    NCCL the wait polls the work's completion with pauses from 10 us up, then waits without a
+    timeout (which raises the work's error and orders the stream); a work still running at
+    comm_timeout raises CommunicationError and aborts the group. gloo's wait(timeout) wakes
+    when the work ends and is used as it is."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from onebit_plugin import allreduce
+
+    aborted, slept = [], []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", aborted.append)
+    monkeypatch.setattr(allreduce, "_sleep", slept.append)
+    limit = timedelta(seconds=60)
+    works = [_Work(4), _Work(0)]
+    allreduce.wait_collectives(works, limit, "a test", object())
+    if backend == "gloo":
+        assert [w.waits for w in works] == [[limit], [limit]] and slept == []
+        return
+    assert [w.waits for w in works] == [[None], [None]]
+    # 5 checks of the first work and 1 of the second (done by then): 70 us asleep in all,
+    # where NCCL's own wait(timeout) would have slept 1 ms after each of the first 4 checks.
+    assert works[0].checks == 5 and works[1].checks == 1
+    assert slept == [0.0, 1e-5, 2e-5, 4e-5]
+    group = object()
+    with pytest.raises(allreduce.CommunicationError, match=r"timeout 0.05 s.*not completed"):
+        allreduce.wait_collectives([_Work(None)], timedelta(seconds=0.05), "a test", group)
+    assert aborted == [group] and max(slept) == 1e-3  # pauses stop doubling at 1 ms
 
 
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
