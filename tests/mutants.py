@@ -171,6 +171,11 @@ MUTANTS = [
        "        return dist.new_group(ranks=ranks, **eager)",
        "tests/test_faults.py::test_survivor_fails_clearly_and_exits_within_the_timeout"
        "[hang-optimizer-side]"),
+    _m("nccl-waits-sleep-a-millisecond", "row: GPU path, what the CPU can show", AR,
+       "        if timeout is not None and _is_nccl(group):",
+       "        if False:",
+       "tests/test_faults.py::"
+       "test_an_nccl_wait_with_comm_timeout_polls_instead_of_sleeping_a_millisecond"),
     _m("subgroup-made-world-wide", "row: a data-parallel subgroup", AR,
        "use_local_synchronization=True, **eager)",
        "**eager)",
