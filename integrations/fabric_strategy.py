@@ -18,7 +18,11 @@ from onebit_plugin.integrations.ddp_strategies import (
     require_member,
     say_at_exit_if_uncompressed,
 )
-from onebit_plugin.integrations.rank_states import own_rank_state, with_rank_states
+from onebit_plugin.integrations.rank_states import (
+    own_rank_state,
+    reading_own_rank,
+    with_rank_states,
+)
 
 log = logging.getLogger("onebit_plugin")
 
@@ -115,15 +119,18 @@ def make_fabric_strategy_class(fabric, module: str):
             return state
 
         def load_checkpoint(self, path, state=None, strict: bool = True, **kwargs):
+            """Every rank reads the checkpoint; each keeps only its own error buffers."""
             if isinstance(state, OneBitOptimizer):
                 state = _LoadsOwnRank(state, self.global_rank, self.world_size)
-                return super().load_checkpoint(path, {"": state}, strict, **kwargs)
+                with reading_own_rank(self):
+                    return super().load_checkpoint(path, {"": state}, strict, **kwargs)
             # In place: Fabric copies the loaded plain values back from this very dict.
             swapped = {k: v for k, v in (state or {}).items() if isinstance(v, OneBitOptimizer)}
             for k, v in swapped.items():
                 state[k] = _LoadsOwnRank(v, self.global_rank, self.world_size)
             try:
-                return super().load_checkpoint(path, state, strict, **kwargs)
+                with reading_own_rank(self):
+                    return super().load_checkpoint(path, state, strict, **kwargs)
             finally:
                 if swapped:
                     state.update(swapped)

@@ -16,7 +16,11 @@ from onebit_plugin.integrations.ddp_strategies import (
     register_names,
     require_member,
 )
-from onebit_plugin.integrations.rank_states import own_rank_state, with_rank_states
+from onebit_plugin.integrations.rank_states import (
+    own_rank_state,
+    reading_own_rank,
+    with_rank_states,
+)
 
 log = logging.getLogger("onebit_plugin")
 
@@ -182,6 +186,12 @@ def make_strategy_class(pl, callback_cls, module: str):
             if not isinstance(getattr(optimizer, "_optimizer", optimizer), OneBitOptimizer):
                 return state
             return with_rank_states(state, self.global_rank, self.world_size)
+
+        @override
+        def load_checkpoint(self, checkpoint_path, *args, **kwargs) -> dict:
+            """Every rank reads the checkpoint; each keeps only its own error buffers."""
+            with reading_own_rank(self):
+                return super().load_checkpoint(checkpoint_path, *args, **kwargs)
 
         @override
         def load_optimizer_state_dict(self, checkpoint) -> None:

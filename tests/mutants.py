@@ -176,6 +176,17 @@ MUTANTS = [
        "        if False:",
        "tests/test_faults.py::"
        "test_an_nccl_wait_with_comm_timeout_polls_instead_of_sleeping_a_millisecond"),
+    _m("every-rank-reads-every-ranks-errors", "row: GPU path, what the CPU can show",
+       "integrations/rank_states.py",
+       "[r if i == keep else None for i, r in enumerate(ranks)]", "list(ranks)",
+       "tests/test_rank_states.py::"
+       "test_each_rank_reads_only_its_own_errors_from_a_strategys_checkpoint"),
+    _m("strategies-read-the-whole-checkpoint", "row: GPU path, what the CPU can show",
+       "integrations/rank_states.py",
+       "    if strategy._checkpoint_io is not None:\n        yield",
+       "    if True:\n        yield",
+       "tests/test_rank_states.py::"
+       "test_the_strategies_read_checkpoints_through_the_own_rank_reader"),
     _m("subgroup-made-world-wide", "row: a data-parallel subgroup", AR,
        "use_local_synchronization=True, **eager)",
        "**eager)",
