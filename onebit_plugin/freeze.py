@@ -16,8 +16,10 @@ step.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -38,19 +40,28 @@ log = logging.getLogger("onebit_plugin")
 _CHECK_STEPS = frozenset(round(FIRST_CHECK * 2 ** (k / 2)) for k in range(80))
 
 
-def current_roots(param_groups: list[dict], state) -> list[torch.Tensor]:
-    """This step's bias-corrected sqrt(v) per trainable parameter, flat (0 without state)."""
-    roots = []
-    for group in param_groups:
-        for p in group["params"]:
-            if not p.requires_grad:
-                continue
-            if not state[p]:
-                roots.append(torch.zeros(p.numel(), dtype=torch.float32, device=p.device))
-                continue
-            roots.append(corrected_root(state[p]["exp_avg_sq"].reshape(-1),
-                                        float(state[p]["step"]), beta2=group["betas"][1]))
-    return roots
+def current_roots(param_groups: list[dict], state) -> list[Callable[[], torch.Tensor]]:
+    """This step's bias-corrected sqrt(v) per trainable parameter, flat (0 without state), each
+    computed when called: a check holds one parameter's at a time on the device, not all."""
+    def root(p, beta2):
+        if not state[p]:
+            return torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+        return corrected_root(state[p]["exp_avg_sq"].reshape(-1), float(state[p]["step"]),
+                              beta2=beta2)
+
+    return [functools.partial(root, p, group["betas"][1])
+            for group in param_groups for p in group["params"] if p.requires_grad]
+
+
+def _to_host(root: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
+    """A snapshot of ``root`` in host memory, into ``into`` when given (the oldest snapshot's
+    memory); else a GPU's root is copied to pinned memory, a CPU tensor kept as it is. GPU
+    copies do not wait: the stream orders them, a host sync completes them."""
+    if into is None and not root.is_cuda:
+        return root
+    if into is None:
+        into = torch.empty(root.shape, dtype=root.dtype, pin_memory=True)
+    return into.copy_(root, non_blocking=root.is_cuda)
 
 
 def is_check_step(step: int) -> bool:
@@ -59,7 +70,8 @@ def is_check_step(step: int) -> bool:
 
 class AutoFreeze:
     """The decision state: the two latest snapshots of ``sqrt(v_hat)`` (fp32, one tensor per
-    trainable parameter, warm-up only) and what the last check measured."""
+    trainable parameter, warm-up only, in host memory: pinned for a GPU's parameters) and what
+    the last check measured."""
 
     def __init__(self, total_steps: int | None):
         self.total_steps = total_steps
@@ -93,8 +105,9 @@ class AutoFreeze:
 
     def observe(self, step: int, roots, negligible: float) -> str | None:
         """After applied warm-up step ``step``: the reason to freeze now, or None. ``roots``:
-        a callable returning this step's ``sqrt(v_hat)`` per parameter (only called at checks);
-        ``negligible``: callable, the masking threshold for those roots."""
+        a callable returning, per parameter, a callable that computes this step's
+        ``sqrt(v_hat)`` (only called at checks, :func:`current_roots`); ``negligible``:
+        callable, the masking threshold of an iterable of roots."""
         ceiling = self.ceiling
         if ceiling is not None and step >= ceiling:
             last = self.last
@@ -105,25 +118,36 @@ class AutoFreeze:
             return None
         now = roots()
         reason = None
-        if len(self.snapshots) == 2:
-            then_step, then = self.snapshots[0]
-            below = negligible(now)
-            sums = torch.stack([
-                torch.stack([r.sum(dtype=torch.float64) for r in now]).sum(),
-                torch.stack([(r - o).abs().sum(dtype=torch.float64)
-                             for r, o in zip(now, then, strict=True)]).sum(),
-                torch.stack([((o < below) & (r >= below)).sum(dtype=torch.float64)
-                             for r, o in zip(now, then, strict=True)]).sum(),
-            ]).tolist()  # the one host sync of a check
-            total, moved, new = sums
-            count = sum(r.numel() for r in now)
-            change = moved / total if total > 0 else 0.0
-            fresh = new / max(count, 1)
-            self.last = {"step": step, "since": then_step, "change": change, "new": fresh}
-            if change <= SETTLED and fresh <= NEW_COORDINATES:
-                reason = (f"sqrt(v) changed {change:.1%} since step {then_step} and "
-                          f"{fresh:.2%} of the coordinates were first seen since")
-        self.snapshots = (self.snapshots + [(step, now)])[-2:]
+        if len(self.snapshots) < 2:
+            kept = [_to_host(r(), None) for r in now]
+            if any(r.is_pinned() for r in kept):  # read by state_dict() before the next sync
+                torch.cuda.synchronize()
+            self.snapshots.append((step, kept))
+            return None
+        # The two snapshots live in host memory (8 bytes per parameter; the oldest's is reused
+        # for the new one), and a check holds one parameter's roots at a time on the device,
+        # computed twice (for the threshold, then for the comparison): it held every
+        # parameter's, beside both snapshots, on the device (+12 bytes per parameter).
+        then_step, then = self.snapshots[0]
+        below = negligible(r() for r in now)
+        sums, kept = ([], [], []), []
+        for r, o in zip(now, then, strict=True):
+            r = r()
+            o_here = o.to(r.device, non_blocking=True)
+            sums[0].append(r.sum(dtype=torch.float64))
+            sums[1].append((r - o_here).abs().sum(dtype=torch.float64))
+            sums[2].append(((o_here < below) & (r >= below)).sum(dtype=torch.float64))
+            kept.append(_to_host(r, o))  # the oldest snapshot's memory, reused
+        # The check's one host sync; it also completes the copies into ``kept``.
+        total, moved, new = torch.stack([torch.stack(x).sum() for x in sums]).tolist()
+        count = sum(o.numel() for o in then)
+        change = moved / total if total > 0 else 0.0
+        fresh = new / max(count, 1)
+        self.last = {"step": step, "since": then_step, "change": change, "new": fresh}
+        if change <= SETTLED and fresh <= NEW_COORDINATES:
+            reason = (f"sqrt(v) changed {change:.1%} since step {then_step} and "
+                      f"{fresh:.2%} of the coordinates were first seen since")
+        self.snapshots = [self.snapshots[1], (step, kept)]
         return reason
 
     def state_dict(self) -> dict:
@@ -132,5 +156,6 @@ class AutoFreeze:
 
     def load_state_dict(self, state: dict, devices: list[torch.device]) -> None:
         self.last = state["last"]
-        self.snapshots = [(s, [t.to(d, copy=True) for t, d in zip(ts, devices, strict=True)])
+        self.snapshots = [(s, [t.to("cpu").pin_memory() if d.type == "cuda" else
+                               t.to(d, copy=True) for t, d in zip(ts, devices, strict=True)])
                           for s, ts in state["snapshots"]]

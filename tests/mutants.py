@@ -187,6 +187,22 @@ MUTANTS = [
        "    if True:\n        yield",
        "tests/test_rank_states.py::"
        "test_the_strategies_read_checkpoints_through_the_own_rank_reader"),
+    _m("auto-check-holds-every-root", "row: freeze_step='auto'", "onebit_plugin/freeze.py",
+       "        then_step, then = self.snapshots[0]\n",
+       "        then_step, then = self.snapshots[0]\n"
+       "        now = [lambda t=t: t for t in [r() for r in now]]\n",
+       "tests/test_auto_freeze.py::"
+       "test_a_check_holds_one_parameters_roots_at_a_time_and_reuses_the_oldest_snapshot"),
+    _m("auto-snapshot-memory-not-reused", "row: freeze_step='auto'", "onebit_plugin/freeze.py",
+       "kept.append(_to_host(r, o))", "kept.append(_to_host(r, None))",
+       "tests/test_auto_freeze.py::"
+       "test_a_check_holds_one_parameters_roots_at_a_time_and_reuses_the_oldest_snapshot"),
+    _m("negligible-root-reads-every-piece", "row: GPU path, what the CPU can show",
+       "onebit_plugin/masks.py",
+       "    total = sum(torch.stack(pieces).tolist()) if pieces else 0",
+       "    total = sum(float(x) for x in pieces)",
+       "tests/test_auto_freeze.py::"
+       "test_the_masking_threshold_reads_one_number_back_not_one_per_piece"),
     _m("subgroup-made-world-wide", "row: a data-parallel subgroup", AR,
        "use_local_synchronization=True, **eager)",
        "**eager)",

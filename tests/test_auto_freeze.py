@@ -102,3 +102,90 @@ def test_every_rank_freezes_at_the_same_step_also_after_a_resume_mid_warmup(lr, 
     resumed = run_ranks(_ranks_worker, 2, 27, lr, total, steps)  # after the checks at 16, 23
     assert {r[1] for r in whole + resumed} == {frozen_at}
     assert_ranks_identical([r[0] for r in whole + resumed], "parameters")
+
+
+def test_a_check_holds_one_parameters_roots_at_a_time_and_reuses_the_oldest_snapshot():
+    """A check held every parameter's sqrt(v_hat) beside both snapshots (on a GPU: +12 bytes
+    per parameter during warm-up). Now the snapshots live in host memory, the new one in the
+    oldest one's memory, and the check computes one parameter's roots at a time: live float32
+    values, counted at torch's dispatcher during the third check, stay within a few times
+    the largest parameter (issue 33, item 4). The change it measures is the same number."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from onebit_plugin.freeze import AutoFreeze, current_roots
+    from onebit_plugin.masks import negligible_root
+
+    live, peak = [0], [0]
+
+    def release(numel: int) -> None:
+        live[0] -= numel
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, tuple | list) else (out,):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and \
+                        t.numel() > 2 and not any(t is a for a in args):  # not in place
+                    live[0] += t.numel()
+                    peak[0] = max(peak[0], live[0])
+                    weakref.finalize(t, release, t.numel())
+            return out
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3000))] + \
+        [torch.nn.Parameter(torch.randn(1000)) for _ in range(20)]  # 23,000 values
+    opt = OneBitAdam(params, lr=1e-3, freeze_step=10_000)
+
+    def advance():
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+
+    auto = AutoFreeze(None)
+    roots = lambda: current_roots(opt.param_groups, opt.state)  # noqa: E731
+    seen = []
+    for step in (16, 23, 32):
+        advance()
+        seen.append([r().clone() for r in roots()])
+        if step < 32:
+            auto.observe(step, roots, negligible_root)
+    oldest = [t.data_ptr() for t in auto.snapshots[0][1]]
+    with Count():
+        auto.observe(32, roots, negligible_root)
+    assert 0 < peak[0] <= 3 * 3000, peak[0]  # all roots at once: 23,000 and more
+    assert [t.data_ptr() for t in auto.snapshots[1][1]] == oldest
+    assert all(torch.equal(a, b) for a, b in zip(auto.snapshots[1][1], seen[2], strict=True))
+    now, then = torch.cat(seen[2]), torch.cat(seen[0])  # the change, fp32 differences
+    moved = (now - then).abs().double().sum() / now.double().sum()
+    assert auto.last["change"] == pytest.approx(float(moved), rel=1e-12)
+
+
+def test_the_masking_threshold_reads_one_number_back_not_one_per_piece():
+    """negligible_root sums the roots' squares in pieces of 64K values (fast on the CPU); it
+    read each piece's sum back as a Python number, one host sync per piece on a GPU (about
+    20K at 1.3B parameters, at the freeze and at every "auto" check). Scalar reads are
+    counted at torch's dispatcher: none, the pieces come back in one list, in the same order
+    (the same float64 total)."""
+    import math
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from onebit_plugin.masks import NEGLIGIBLE_VARIANCE, negligible_root
+
+    reads = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                reads.append(func)
+            return func(*args, **(kwargs or {}))
+
+    roots = [torch.rand(300_000), torch.rand(70_000)]  # 5 + 2 pieces
+    with Count():
+        got = negligible_root(r for r in roots)  # a generator is read once
+    assert reads == []
+    total = sum(float(piece.square().sum(dtype=torch.float64))
+                for r in roots for piece in r.split(1 << 16))
+    assert got == NEGLIGIBLE_VARIANCE * math.sqrt(total / 370_000)
