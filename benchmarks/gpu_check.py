@@ -2,7 +2,9 @@
 
 1. The compiled Triton kernels against the CPU reference: packed bits, scales, errors and
    decoded values exactly equal (the block sum's order is part of the reference), for ragged sizes
-   up to 1M values and one over 2**31, world sizes 1-8, fp32/bf16/fp16 inputs, with masks.
+   up to 1M values, world sizes 1, 2, 3 and 8, fp32/bf16/fp16 inputs, with masks; and one case of
+   2**31 + 123 values, whose worker and decode passes are compared on three spans of 16 blocks
+   (the first, those around value 2**31, the last with the padding) and its server pass whole.
 2. Each kernel's throughput against the device's copy bandwidth.
 3. OneBitAdam end to end on the GPU: warm-up and compression stage on one process, the step
    counters on the CPU after a save/load, and the host syncs of one step counted with
@@ -11,7 +13,10 @@
    whose input is written late on a side stream (it must wait for that stream).
 5. Two gloo ranks sharing the GPU: OneBitAdam through the compression stage, without DDP and
    under the DDP hook (the background thread, its side stream and the hook's copy-back), ranks
-   identical.
+   identical, and the host syncs of one steady compression-stage step on each path and rank.
+
+Two GPUs with NCCL (the hook path with and without ``comm_timeout``, a hung rank) are
+benchmarks/gpu_check_nccl.py's, for when two are lent.
 
 Each part reports what it saw and goes on if it fails; the JSON holds every figure: the report
 in ``--out``/gpu_check.json, and one record of the run (benchmarks/record.py: date, commit,
@@ -51,9 +56,25 @@ def _data(numel: int, world: int, block: int, dtype, device, seed: int):
 
 def _cpu(*args):
     """CPU copies of tensors and masks: the torch reference would hand CUDA tensors to the very
-    kernels it is compared with (it dispatches on the device)."""
-    return [CoordinateMask(a.keep.cpu(), a.block) if isinstance(a, CoordinateMask)
-            else a.cpu() if torch.is_tensor(a) else a for a in args]
+    kernels it is compared with (it dispatches on the device). Copies on the CPU too (the
+    ``--device cpu`` check): ``.cpu()`` would return the tensor itself, and the reference would
+    write the very outputs (and update the very errors) that the kernel writes next."""
+    return [CoordinateMask(a.keep.to("cpu", copy=True), a.block)
+            if isinstance(a, CoordinateMask)
+            else a.to("cpu", copy=True) if torch.is_tensor(a) else a for a in args]
+
+
+def _decoded_equal(expected: torch.Tensor, got: torch.Tensor) -> bool:
+    """Decoded values (CPU tensors) equal. On a GPU both round fp32 to the output dtype to
+    nearest: exactly equal. Triton's interpreter (the ``--device cpu`` check) converts fp32 to
+    bf16 and fp16 by truncation: there, as in tests/test_kernels.py, each value within one bf16
+    ulp (2**-7 relative) of the reference and no larger in magnitude."""
+    if torch.equal(expected, got):
+        return True
+    if got.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    e, g = expected.float(), got.float()
+    return bool(torch.all((g - e).abs() <= e.abs() * 2**-7) and torch.all(g.abs() <= e.abs()))
 
 
 def _reference(fn, *args) -> list[torch.Tensor]:
@@ -64,26 +85,98 @@ def _reference(fn, *args) -> list[torch.Tensor]:
     return copies
 
 
-def kernels_against_reference(device, sizes, worlds, dtypes, kernels) -> list[dict]:
+def _spans(layout: ChunkLayout, count: int = 16) -> list[tuple[int, int]]:
+    """Block ranges ``[b0, b1)`` compared in a case too large for the whole CPU reference: the
+    first blocks, those around value 2**31 (where an int32 offset would wrap; the middle below
+    2**31 values) and the last (the ragged tail and the padding; starting at a block that still
+    holds values)."""
+    nb, block = layout.num_blocks, layout.block
+    mid = 2**31 // block if layout.numel > 2**31 else nb // 2
+    spans = []
+    for b0 in (0, mid - count // 2, min(nb - count, (layout.numel - 1) // block)):
+        b0 = max(0, b0)
+        span = (b0, min(nb, b0 + count))
+        if span not in spans:
+            spans.append(span)
+    return spans
+
+
+def _span_layout(layout: ChunkLayout, mask: CoordinateMask, span: tuple[int, int]):
+    """The blocks of ``span`` as a case of their own: one rank, one chunk of those blocks, the
+    values of the layout that fall in them and their mask (CPU). Each block's bits, scale,
+    errors and decoded values depend on that block alone, so the reference run on it gives the
+    kernel's results on those blocks. Returns (layout, mask, first value, end value)."""
+    b0, b1 = span
+    v0, v1 = b0 * layout.block, b1 * layout.block
+    sub = ChunkLayout(min(layout.numel, v1) - v0, 1, layout.block, b1 - b0, layout.scale)
+    return sub, CoordinateMask(mask.keep[v0:v1].cpu(), layout.block), v0, v1
+
+
+def _worker_spans(kernels, layout, mask, x, error, packed, scales) -> tuple[bool, bool]:
+    """The worker pass on the whole of a large case, the reference on ``_spans`` only; updates
+    ``error`` in place. Returns (bits equal, scales and errors equal)."""
+    expected = []
+    for span in _spans(layout):
+        sub, sub_mask, v0, v1 = _span_layout(layout, mask, span)
+        # A copy even on the CPU (the quick check): the reference updates its errors in place.
+        xs, es = x[v0: v0 + sub.numel].cpu(), error[v0:v1].to("cpu", copy=True)
+        ps = torch.empty(sub.padded_numel // 8, dtype=torch.uint8)
+        ss = torch.empty(sub.num_blocks)
+        ref.worker_compress(xs, es, sub_mask, sub, ps, ss)
+        expected.append((span, v0, v1, ps, ss, es))
+    kernels.worker_compress(x, error, mask, layout, packed, scales)
+    bits = scales_errors = True
+    for (b0, b1), v0, v1, ps, ss, es in expected:
+        bits &= torch.equal(ps, packed[v0 // 8: v1 // 8].cpu())
+        scales_errors &= torch.equal(ss, scales[b0:b1].cpu()) and \
+            torch.equal(es, error[v0:v1].cpu())
+    return bool(bits), bool(scales_errors)
+
+
+def _decoded_spans(kernels, layout, mask, packed, scales, out) -> bool:
+    kernels.decompress(packed, scales, mask, layout, out)
+    equal = True
+    for span in _spans(layout):
+        sub, sub_mask, v0, v1 = _span_layout(layout, mask, span)
+        expected = torch.empty(sub.numel, dtype=out.dtype)
+        ref.decompress(packed[v0 // 8: v1 // 8].cpu(), scales[span[0]:span[1]].cpu(), sub_mask,
+                       sub, expected)
+        equal &= _decoded_equal(expected, out[v0: v0 + sub.numel].cpu())
+    return bool(equal)
+
+
+def kernels_against_reference(device, sizes, worlds, dtypes, kernels, spans: bool = False
+                              ) -> list[dict]:
+    """Each case: the three kernels against the reference on CPU copies. ``spans``: the worker
+    and decode passes compared on ``_spans`` only (the case over 2**31 values, whose whole
+    reference would take about a minute of the host's CPU and 25-45 GB of its memory); the
+    server pass (one chunk) whole."""
     rows = []
     for numel in sizes:
         for world in worlds:
             for dtype in dtypes:
                 row = {"numel": numel, "world": world, "dtype": str(dtype)}
+                if spans:
+                    row["compared"] = "worker and decode on spans of 16 blocks, server whole"
                 try:
                     layout, mask, x, error = _data(numel, world, 2048, dtype, device, numel)
-                    err = error.clone()
                     packed = torch.empty(layout.padded_numel // 8, dtype=torch.uint8,
                                          device=device)
                     scales = torch.empty(layout.num_blocks, device=device)
-                    _, e0, _, _, p0, s0 = _reference(ref.worker_compress, x, error, mask,
-                                                     layout, packed, scales)
-                    kernels.worker_compress(x, err, mask, layout, packed, scales)
-                    p1, s1, e1 = packed.cpu(), scales.cpu(), err.cpu()
-                    row["worker_bits_equal"] = bool(torch.equal(p0, p1))
-                    row["worker_scales_errors_equal"] = bool(torch.equal(s0, s1) and
-                                                             torch.equal(e0, e1))
-                    del e0, e1, x, error
+                    if spans:
+                        row["worker_bits_equal"], row["worker_scales_errors_equal"] = \
+                            _worker_spans(kernels, layout, mask, x, error, packed, scales)
+                        del x, error
+                    else:
+                        err = error.clone()
+                        _, e0, _, _, p0, s0 = _reference(ref.worker_compress, x, error, mask,
+                                                         layout, packed, scales)
+                        kernels.worker_compress(x, err, mask, layout, packed, scales)
+                        p1, s1, e1 = packed.cpu(), scales.cpu(), err.cpu()
+                        row["worker_bits_equal"] = bool(torch.equal(p0, p1))
+                        row["worker_scales_errors_equal"] = bool(torch.equal(s0, s1) and
+                                                                 torch.equal(e0, e1))
+                        del e0, e1, x, error, err
                     if world > 1:
                         chunk, blocks = layout.chunk, layout.blocks_per_chunk
                         gen = torch.Generator(device=device).manual_seed(7)
@@ -103,14 +196,19 @@ def kernels_against_reference(device, sizes, worlds, dtypes, kernels) -> list[di
                         row["server_bits_equal"] = bool(torch.equal(p0, p1))
                         row["server_scales_errors_equal"] = bool(torch.equal(s0, s1) and
                                                                  torch.equal(e0, e1))
+                        del recv, err, e0, e1, p0, p1
                     scales = torch.rand(layout.num_blocks, device=device)
                     packed = torch.randint(0, 256, (layout.padded_numel // 8,), dtype=torch.uint8,
                                            device=device)
                     out = torch.empty(numel, dtype=dtype, device=device)
-                    out0 = _reference(ref.decompress, packed, scales, mask, layout, out)[-1]
-                    kernels.decompress(packed, scales, mask, layout, out)
-                    # On a GPU both round fp32 to the output dtype to nearest: exactly equal.
-                    row["decoded_equal"] = bool(torch.equal(out0, out.cpu()))
+                    if spans:
+                        row["decoded_equal"] = _decoded_spans(kernels, layout, mask, packed,
+                                                              scales, out)
+                    else:
+                        out0 = _reference(ref.decompress, packed, scales, mask, layout, out)[-1]
+                        kernels.decompress(packed, scales, mask, layout, out)
+                        row["decoded_equal"] = _decoded_equal(out0, out.cpu())
+                    del out, packed, scales, mask
                     row["ok"] = all(v for k, v in row.items() if k.endswith("equal"))
                 except Exception as exc:  # noqa: BLE001 - reported, the check goes on
                     row["ok"], row["error"] = False, f"{type(exc).__name__}: {exc}"[:500]
@@ -181,6 +279,42 @@ def _model(device):
                                torch.nn.Linear(256, 64)).to(device)
 
 
+def host_syncs(fn, device) -> tuple[int | None, dict | None]:
+    """Run ``fn`` once under ``torch.cuda.set_sync_debug_mode("warn")``: the number of host
+    syncs it made (warnings whose message says "synchroniz") and where they came from (the
+    Python file and line that called torch, most frequent first). (None, None) on the CPU: it
+    needs a GPU.
+
+    Other threads count too. The sync debug mode is one flag of the process (c10::cuda), and
+    ``warnings.catch_warnings`` replaces the warnings module's ``showwarning`` and filter list,
+    which are the process's as well: CPython's docs say so ("modifying global state and therefore
+    is not thread-safe"; Python 3.14's context-aware warnings, on by default only in
+    free-threaded builds, would change that; checked on 3.11 with a warning raised on a
+    ThreadPoolExecutor thread: recorded). So a sync that torch reports on the DDP hook's
+    "onebit-comm" executor thread or in a Python hook run by the autograd engine's device thread
+    is recorded here, and a sync inside backward's own C++ ops is replayed on the thread that
+    called ``backward()`` (the engine's ``replay_warnings``). A sync inside a C++ thread with no
+    Python caller (gloo's worker threads copying CUDA tensors to the host) goes to torch's C++
+    log on stderr instead and is not counted: those are gloo's, not the optimizer's or NCCL's."""
+    if device.type != "cuda":
+        fn()
+        return None, None
+    torch.cuda.synchronize(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    sites: dict[str, int] = {}
+    for w in syncs:
+        site = f"{os.path.basename(w.filename)}:{w.lineno}"
+        sites[site] = sites.get(site, 0) + 1
+    return len(syncs), dict(sorted(sites.items(), key=lambda kv: -kv[1])[:20])
+
+
 def end_to_end(device) -> dict:
     from onebit_plugin import OneBitAdam
 
@@ -204,18 +338,11 @@ def end_to_end(device) -> dict:
     x = torch.randn(32, 64, generator=gen, device=device)
     opt.zero_grad()
     (model(x) - x).square().mean().backward()
-    syncs = None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        if device.type == "cuda":
-            torch.cuda.set_sync_debug_mode("warn")
-        opt.step()
-        if device.type == "cuda":
-            torch.cuda.set_sync_debug_mode("default")
-            syncs = sum("synchroniz" in str(w.message) for w in caught)
+    syncs, sites = host_syncs(opt.step, device)
     result = {"stage": opt.stage, "loss_first": losses[0], "loss_last": losses[-1],
               "finite": all(map(lambda v: v == v, losses)), "step_counters_on": counters,
-              "host_syncs_in_one_step_after_load": syncs}
+              "host_syncs_in_one_step_after_load": syncs,
+              "host_sync_sites": sites if device.type == "cuda" else "needs a GPU"}
     print(json.dumps(result), flush=True)
     return result
 
@@ -287,14 +414,24 @@ def _gloo_rank(rank: int, world: int, port: int, device_type: str, queue) -> Non
                     gradient_as_bucket_view=path == "ddp_hook_bucket_views")
                 register_onebit_hook(model, opt)
             gen = torch.Generator(device=device).manual_seed(rank)
-            for _ in range(8):
-                x = torch.randn(32, 64, generator=gen, device=device)
+
+            def step(x, model=model, opt=opt):
                 opt.zero_grad()
                 (model(x) - x).square().mean().backward()
                 opt.step()
+
+            # Freeze after step 3; step 8, the fifth of the compression stage (its buffers
+            # built at 4, the units left to step() by the last bucket settled), is counted.
+            for _ in range(7):
+                step(torch.randn(32, 64, generator=gen, device=device))
+            x = torch.randn(32, 64, generator=gen, device=device)
+            syncs, sites = host_syncs(lambda x=x: step(x), device)
             check_lockstep(model.parameters(), opt)
             result[path] = {"stage": opt.stage, "bytes_sent": opt.bytes_sent,
-                            "lockstep": "identical"}
+                            "lockstep": "identical",
+                            "host_syncs_in_one_compression_step": syncs,
+                            "host_sync_sites": sites if device.type == "cuda"
+                            else "needs a GPU"}
         queue.put((rank, result))
         dist.destroy_process_group()
     except Exception as exc:  # noqa: BLE001 - reported to the parent
@@ -337,10 +474,32 @@ def main() -> None:
     device = torch.device(args.device)
     from onebit_plugin import kernels
 
+    # Time budget on one H100/H200: gpu_check.sh (this script, then memory.py) is meant to fit
+    # in about 5 minutes. An estimate: no GPU has run it; the CPU figures below were measured on
+    # the 2-core VM (2026-12-03), the rest reasoned. Each part's seconds go in the report.
+    # - start: torch, Triton and the CUDA context                                        ~10 s
+    # - kernels: 5 sizes x 4 worlds x 3 dtypes = 60 cases                                ~60 s
+    #   mostly Triton compiling each specialization once (dtype, sizes divisible by 16 or
+    #   not: some 30 kernels, about 1-2 s each); a case runs in milliseconds on the GPU, its
+    #   CPU reference in at most tens of milliseconds (2**20 values). World 5 was dropped
+    #   (odd and ragged like 3); 2 stays (two GPUs).
+    # - kernels_over_2_31: about 32 GB on the GPU at the peak, made in about a second;    ~15 s
+    #   the reference on three 16-block spans of the worker and decode passes and on the
+    #   server's whole chunk (2**28 values). The whole reference would be ~24 s (the C
+    #   passes) to ~82 s (the torch passes: no C compiler) plus ~35 GB copied to the host
+    #   and 25-45 GB of host memory: 2**24 + 123 values timed here, scaled by 128.
+    # - throughput, two rows: 20 repeats of milliseconds per pass, and compiling         ~10 s
+    # - end_to_end, the cuda string, the stream probe                                    ~10 s
+    # - two_gloo_ranks: two spawned processes (torch, CUDA, Triton's disk cache),       ~40 s
+    #   3 paths x 8 steps of a small MLP
+    # - memory.py --device cuda: 6 configurations x 2 fresh processes, 8-18 steps      ~120 s
+    #   of 25.2M parameters each (about a minute on the 2-core VM's CPU without CUDA)
+    # Total about 4.5 minutes.
     if args.quick:
-        sizes, worlds, big, tput = [1, 1001, 4099], [1, 3], [], 1 << 14
+        # The spans of a large case checked at 2**18 + 123 values (the interpreter's speed).
+        sizes, worlds, big, tput = [1, 1001, 4099], [1, 3], [2**18 + 123], 1 << 14
     else:
-        sizes, worlds, big, tput = [1, 7, 1001, 4099, 1 << 20], [1, 2, 3, 5, 8], [2**31 + 123], \
+        sizes, worlds, big, tput = [1, 7, 1001, 4099, 1 << 20], [1, 2, 3, 8], [2**31 + 123], \
             1 << 26
     dtypes = [torch.float32, torch.bfloat16, torch.float16]
     report = {"torch": torch.__version__, "device": str(device),
@@ -348,7 +507,8 @@ def main() -> None:
     steps = [
         ("kernels", lambda: kernels_against_reference(device, sizes, worlds, dtypes, kernels)),
         ("kernels_over_2_31", lambda: kernels_against_reference(device, big, [8],
-                                                                [torch.bfloat16], kernels)),
+                                                                [torch.bfloat16], kernels,
+                                                                spans=True)),
         ("throughput", lambda: throughput(device, tput, kernels)),
         ("throughput_max_block_16384", lambda: throughput(device, tput, kernels,
                                                           max_block=16384)),
