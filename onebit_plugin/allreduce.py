@@ -78,9 +78,17 @@ def all_finite(tensors) -> bool:
     """True unless some value is inf or NaN: one summing pass per tensor and a single sync (an
     inf or NaN makes its sum non-finite; no temporary as large as the input, unlike
     ``isfinite(t).all()``). Finite values summing past ~3e38 also count as non-finite: such a
-    step is skipped like an overflowed one, on every rank alike."""
-    sums = [t.sum(dtype=torch.float32) for t in tensors]
-    return bool(torch.isfinite(torch.stack(sums)).all()) if sums else True
+    step is skipped like an overflowed one, on every rank alike. On a GPU the sums are of
+    absolute values, in torch's foreach norm (a few launches for all tensors instead of one
+    each); on the CPU the plain sums take about half the foreach norm's time (torch 2.13)."""
+    tensors = list(tensors)
+    if not tensors:
+        return True
+    if tensors[0].is_cuda:
+        sums = torch._foreach_norm(tensors, 1)
+    else:
+        sums = [t.sum(dtype=torch.float32) for t in tensors]
+    return bool(torch.isfinite(torch.stack([s.float() for s in sums])).all())
 
 
 def wait_collectives(works: list, timeout: timedelta | None, what: str, group=None) -> None:

@@ -99,6 +99,7 @@ class HandOff:
         coef = self.clip_coef if self.clip_coef is not None and self.clip_coef < 1 else None
         # Some p.grad held local gradients (units left to step()) beside averaged momenta.
         mixed = bool(self.averaged) and len(self.averaged) < len(units)
+        compared, decoded = [], []
         for unit in units:
             # The new momentum is in the fold buffer, or still encoded (decoded by the update's
             # pass, which copies it over the old one; the fold buffer then serves the torch
@@ -110,28 +111,38 @@ class HandOff:
                 # fold buffer) as it would have.
                 continue
             unit.decode_()
-            for p in unit.params:
-                new = unit.view(p, unit.local)
-                # The hook handed the average to DDP as p.grad (rounded to p.grad's dtype). If
-                # something changed it since (torch's clip_grad_norm_, say), p.grad is used,
-                # and said: the same change on every rank, as long as every p.grad held an
-                # average. Beside local gradients it is not, and ignored. Compared only when
-                # p.grad is not the bucket view the hook wrote last, or was written since (a
-                # pass over both: 8 ms per 6.5M values on one CPU thread, as much as the rest
-                # of the step's compression work).
-                if unit in self.averaged and p.grad is not None and self.changed(p) and \
-                        not torch.equal(p.grad, new.to(p.grad.dtype)):
-                    self.say_once("mixed" if mixed else "momentum")
-                    if not mixed:
-                        new.copy_(p.grad)
-                if coef is not None:
-                    unit.clip_(p, new, coef)
+            decoded.append(unit)
+            # The hook handed the average to DDP as p.grad (rounded to p.grad's dtype). If
+            # something changed it since (torch's clip_grad_norm_, say), p.grad is used, and
+            # said: the same change on every rank, as long as every p.grad held an average.
+            # Beside local gradients it is not, and ignored. Compared only when p.grad is not
+            # the bucket view the hook wrote last, or was written since (a pass over both, as
+            # much as the rest of the step's compression work on the CPU).
+            compared += [(p, unit.view(p, unit.local)) for p in unit.params
+                         if unit in self.averaged and p.grad is not None and self.changed(p)]
+        for (p, new), changed in zip(compared, differing(compared), strict=True):
+            if changed:
+                self.say_once("mixed" if mixed else "momentum")
+                if not mixed:
+                    new.copy_(p.grad)
+        if coef is not None:
+            for unit in decoded:
+                for p in unit.params:
+                    unit.clip_(p, unit.view(p, unit.local), coef)
 
     def say_once(self, what: str) -> None:
         """Warn about a change to ``p.grad`` between backward and ``step()``, once per kind."""
         if what not in self._said:
             self._said.add(what)
             log.warning("%s", _CHANGED[what])
+
+
+def differing(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
+    """For each ``(p, new)``: does ``p.grad`` differ from ``new`` (in ``p.grad``'s dtype)? One
+    host sync for all of them (on a GPU, torch.equal per parameter was one each)."""
+    if not pairs:
+        return []
+    return torch.stack([(p.grad != new.to(p.grad.dtype)).any() for p, new in pairs]).tolist()
 
 
 _FIX = ("Call optimizer.clip_grad_norm_(max_norm) instead (the Lightning and Fabric strategies "

@@ -51,6 +51,11 @@ def _fp32_param(param: torch.Tensor, master: torch.Tensor | None) -> torch.Tenso
 # model (102 tensors, one thread) the square roots took 11-12 ms a step in runs of 2**22 values
 # and 4.4-5.2 ms in runs of 2**14 to 2**20, as one tensor at a time does.
 ADAM_RUN_VALUES = 1 << 18
+# On a GPU the caching allocator keeps freed blocks, and a run of 2**18 values is about one
+# tensor: a launch per operation per tensor, where torch's foreach Adam needs about ten for a
+# group. Runs of 2**26 values there: temporaries of at most 256 MiB (not measured on a GPU yet:
+# benchmarks/gpu_check.py times the warm-up step against torch's Adam).
+ADAM_RUN_VALUES_CUDA = 1 << 26
 
 
 def adam_update_(
@@ -74,9 +79,10 @@ def adam_update_(
     step_sizes = [-(lr / (1 - beta1**step)) for step in steps]
     roots = [(1 - beta2**step) ** 0.5 for step in steps]
     start = 0
+    cap = ADAM_RUN_VALUES_CUDA if params and params[0].is_cuda else ADAM_RUN_VALUES
     while start < len(params):
         end, values = start + 1, params[start].numel()
-        while end < len(params) and values + params[end].numel() <= ADAM_RUN_VALUES:
+        while end < len(params) and values + params[end].numel() <= cap:
             values += params[end].numel()
             end += 1
         # A bf16/fp16 parameter's fp32 copies are made per run too, not for the whole group.

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from onebit_plugin.allreduce import wait_collectives
 
-__all__ = ["WARMUP_CHUNK_BYTES", "average_gradients", "ring_bytes"]
+__all__ = ["WARMUP_CHUNK_BYTES", "WARMUP_CHUNK_BYTES_CUDA", "average_gradients", "ring_bytes"]
 
 # Without DDP the warm-up allreduce goes in chunks of this many fp32 bytes, all started at once:
 # the copy of the next chunk's gradients and the division of the last one's means overlap the
@@ -21,6 +21,10 @@ __all__ = ["WARMUP_CHUNK_BYTES", "average_gradients", "ring_bytes"]
 # 408 in 4 MiB chunks, 409-413 in 8, 417-420 in 2, 490-503 in 1 (why 1 MiB is slower was not
 # looked into); medians of 40 steps, benchmarks/collective_patterns.py, 2026-12-01.
 WARMUP_CHUNK_BYTES = 4 * 2**20
+# On a GPU, NCCL's allreduce and the copies run on streams of their own, so the CPU's reason
+# does not hold; chunks as large as DDP's buckets (25 MiB) keep the launches few, 32 MiB here
+# (not measured on a GPU yet: benchmarks/gpu_check.py times the warm-up step).
+WARMUP_CHUNK_BYTES_CUDA = 32 * 2**20
 
 
 def ring_bytes(nbytes: int, world: int) -> int:
@@ -36,11 +40,18 @@ def average_gradients(params: list[torch.Tensor], flat: torch.Tensor | None, gro
     bytes this rank sent."""
     sizes = [p.numel() for p in params]
     total, head = sum(sizes), len(params)
+    device = params[0].device
     if flat is None or flat.numel() != head + total:
-        flat = torch.empty(head + total, dtype=torch.float32, device=params[0].device)
-    flat[:head] = torch.tensor([float(p.grad is not None) for p in params])
+        flat = torch.empty(head + total, dtype=torch.float32, device=device)
+    # The flags: on a GPU from pinned memory, so that the copy does not wait for the device.
+    flags = torch.tensor([float(p.grad is not None) for p in params],
+                         pin_memory=device.type == "cuda")
+    flat[:head].copy_(flags, non_blocking=device.type == "cuda")
     views = flat[head:].split(sizes)
-    chunks = _chunks(sizes, head, WARMUP_CHUNK_BYTES // 4)
+    cap = WARMUP_CHUNK_BYTES_CUDA if device.type == "cuda" else WARMUP_CHUNK_BYTES
+    chunks = _chunks(sizes, head, cap // 4)
+    # Every rank's flags are read (a host sync on a GPU) only where this rank lacks a gradient.
+    missing = any(p.grad is None for p in params)
     works = []
     for start, end, lo, hi in chunks:
         for p, view in zip(params[lo:hi], views[lo:hi], strict=True):
@@ -51,7 +62,7 @@ def average_gradients(params: list[torch.Tensor], flat: torch.Tensor | None, gro
         wait_collectives([work], timeout, "the warm-up gradient allreduce", group)
         sent += ring_bytes(4 * (end - start), world)
         if present is None:  # the flags travel in the first chunk
-            present = flat[:head].tolist()
+            present = flat[:head].tolist() if missing else [1.0] * head
         for p, view, there in zip(params[lo:hi], views[lo:hi], present[lo:hi], strict=True):
             if p.grad is not None and p.grad.dtype == torch.float32:
                 # The mean straight into p.grad: one pass fewer over the gradients than

@@ -203,6 +203,14 @@ MUTANTS = [
        "    total = sum(float(x) for x in pieces)",
        "tests/test_auto_freeze.py::"
        "test_the_masking_threshold_reads_one_number_back_not_one_per_piece"),
+    _m("changed-momentum-never-seen", "row: clipping", "onebit_plugin/handoff.py",
+       "    if not pairs:\n        return []\n", "    return [False] * len(pairs)\n",
+       "tests/test_clipping.py::"
+       "test_an_unchanged_averaged_momentum_is_not_compared_a_changed_one_is_kept_beside_local"),
+    _m("warmup-flags-never-read", "row: warm-up equals torch Adam", "onebit_plugin/warmup.py",
+       "flat[:head].tolist() if missing else [1.0] * head", "[1.0] * head",
+       "tests/test_optimizer.py::"
+       "test_warmup_allreduce_goes_in_chunks_all_started_before_the_first_wait"),
     _m("subgroup-made-world-wide", "row: a data-parallel subgroup", AR,
        "use_local_synchronization=True, **eager)",
        "**eager)",
