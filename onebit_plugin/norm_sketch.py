@@ -16,11 +16,13 @@ norm when the ranks' gradients are mostly noise.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 __all__ = ["NormSketch", "sketch_width"]
 
 _SEED = 0x5EED
+# A gradient is sketched in pieces of about this many values: the float copy and the signed
+# product stay at a few MiB whatever the parameter (whole, a 1B-value embedding's were 8 GB).
+SKETCH_PIECE = 1 << 20
 
 
 def sketch_width(values: int) -> int:
@@ -31,27 +33,49 @@ def sketch_width(values: int) -> int:
 
 class NormSketch:
     """Sketches of parameters' gradients, ``width`` buckets each; the signs of a parameter are
-    drawn once, from its position among the trainable parameters (the same on every rank), and
-    kept (1 byte per value)."""
+    drawn from its position among the trainable parameters (the same on every rank), in
+    pieces, in order. ``keep_signs``: keep them (1 byte per value; the default on the CPU,
+    where drawing them again every step costs more than the sketch) or draw them again at
+    every sketch (the default on a GPU, where that takes less than a pass over the gradient
+    and saves the byte per parameter)."""
 
-    def __init__(self, params: list[torch.Tensor], width: int):
+    def __init__(self, params: list[torch.Tensor], width: int, keep_signs: bool | None = None):
         self.width = width
         self.index = {p: i for i, p in enumerate(params)}
+        self.keep_signs = keep_signs if keep_signs is not None else \
+            not any(p.is_cuda for p in params)
         self.signs: dict[torch.Tensor, torch.Tensor] = {}
 
-    def _signs(self, p: torch.Tensor) -> torch.Tensor:
-        signs = self.signs.get(p)
-        if signs is None:
+    def _draws(self, p: torch.Tensor, sizes: list[int]):
+        """``p``'s signs (+1/-1, int8), piece after piece of ``sizes``."""
+        kept = self.signs.get(p)
+        if kept is None and self.keep_signs:
             gen = torch.Generator().manual_seed(_SEED + self.index[p])
             bits = torch.randint(0, 2, (p.numel(),), generator=gen, dtype=torch.int8)
-            signs = self.signs[p] = (bits * 2 - 1).to(p.device)
-        return signs
+            kept = self.signs[p] = (bits * 2 - 1).to(p.device)
+        if kept is not None:
+            yield from kept.split(sizes)
+            return
+        # Drawn again, in the same pieces in the same order on every rank: the same signs.
+        gen = torch.Generator(device=p.device).manual_seed(_SEED + self.index[p])
+        for size in sizes:
+            bits = torch.randint(0, 2, (size,), generator=gen, dtype=torch.int8, device=p.device)
+            yield bits.mul_(2).sub_(1)
 
     def of(self, p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """The sketch of ``p``'s gradient ``grad`` (fp32, ``width`` values)."""
-        signed = grad.reshape(-1).float() * self._signs(p)
-        tail = -signed.numel() % self.width
-        return F.pad(signed, (0, tail)).view(-1, self.width).sum(dim=0)
+        """The sketch of ``p``'s gradient ``grad`` (fp32, ``width`` values): coordinate ``i``
+        into bucket ``i mod width``, a piece of whole rows of buckets at a time."""
+        flat, width = grad.reshape(-1), self.width
+        pieces = flat.split(max(width, SKETCH_PIECE // width * width))
+        out = torch.zeros(width, dtype=torch.float32, device=grad.device)
+        draws = self._draws(p, [piece.numel() for piece in pieces])
+        for piece, signs in zip(pieces, draws, strict=True):
+            signed = piece.float() * signs
+            rows = signed.numel() // width * width
+            out += signed[:rows].view(-1, width).sum(dim=0)
+            out[: signed.numel() - rows] += signed[rows:]
+            del signed  # before the next piece's product: two pieces alive at most
+        return out
 
 
 def squared_norm(sketch: torch.Tensor) -> torch.Tensor:

@@ -211,6 +211,13 @@ MUTANTS = [
        "flat[:head].tolist() if missing else [1.0] * head", "[1.0] * head",
        "tests/test_optimizer.py::"
        "test_warmup_allreduce_goes_in_chunks_all_started_before_the_first_wait"),
+    _m("sketch-whole-gradient", "row: clipping", "onebit_plugin/norm_sketch.py",
+       "SKETCH_PIECE = 1 << 20", "SKETCH_PIECE = 1 << 40",
+       "tests/test_clipping.py::test_a_sketch_goes_in_pieces_and_its_signs_may_be_drawn_again"),
+    _m("sketch-signs-drawn-again-differ", "row: clipping", "onebit_plugin/norm_sketch.py",
+       "        gen = torch.Generator(device=p.device).manual_seed(_SEED + self.index[p])",
+       "        gen = torch.Generator(device=p.device).manual_seed(_SEED - self.index[p])",
+       "tests/test_clipping.py::test_a_sketch_goes_in_pieces_and_its_signs_may_be_drawn_again"),
     _m("subgroup-made-world-wide", "row: a data-parallel subgroup", AR,
        "use_local_synchronization=True, **eager)",
        "**eager)",
