@@ -8,7 +8,8 @@
 2. Each kernel's throughput against the device's copy bandwidth.
 3. OneBitAdam end to end on the GPU: warm-up and compression stage on one process, the step
    counters on the CPU after a save/load, and the host syncs of one step counted with
-   ``torch.cuda.set_sync_debug_mode``.
+   ``torch.cuda.set_sync_debug_mode``; a warm-up step() of 403M parameters timed against torch's
+   foreach and fused Adam, and its host syncs.
 4. ``CompressedAllreduce(n, device="cuda")`` with a tensor on ``cuda:0``; an asynchronous call
    whose input is written late on a side stream (it must wait for that stream).
 5. Two gloo ranks sharing the GPU: OneBitAdam through the compression stage, without DDP and
@@ -347,6 +348,49 @@ def end_to_end(device) -> dict:
     return result
 
 
+def warmup_step(device, width: int, layers: int) -> dict:
+    """OneBitAdam's warm-up step() on one process against torch's Adam (foreach and fused) on
+    the same model: median milliseconds of 20 steps after 3, each between two synchronizes,
+    and the host syncs of one warm-up step (issue 33, item 7: the warm-up's foreach runs,
+    its finiteness check and its flags were tuned for the CPU)."""
+    from onebit_plugin import OneBitAdam
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]
+                                   ).to(device)
+
+    def timed(make) -> tuple[float, object]:
+        net = model()
+        opt = make(net.parameters())
+        for p in net.parameters():
+            p.grad = torch.randn_like(p)
+        times = []
+        for i in range(23):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= 3:
+                times.append(time.perf_counter() - started)
+        return round(sorted(times)[len(times) // 2] * 1e3, 3), opt
+
+    result = {"parameters": layers * (width * width + width)}
+    ours, opt = timed(lambda ps: OneBitAdam(ps, lr=1e-4, freeze_step=10**9))
+    result["onebit_warmup_ms"] = ours
+    result["host_syncs_in_one_warmup_step"], result["host_sync_sites"] = \
+        host_syncs(opt.step, device)
+    result["torch_adam_foreach_ms"] = timed(lambda ps: torch.optim.Adam(ps, lr=1e-4,
+                                                                        foreach=True))[0]
+    if device.type == "cuda":
+        result["torch_adam_fused_ms"] = timed(lambda ps: torch.optim.Adam(ps, lr=1e-4,
+                                                                          fused=True))[0]
+    print(json.dumps(result), flush=True)
+    return result
+
+
 def device_cuda_string(device) -> dict:
     from onebit_plugin import CompressedAllreduce
 
@@ -490,6 +534,7 @@ def main() -> None:
     #   and 25-45 GB of host memory: 2**24 + 123 values timed here, scaled by 128.
     # - throughput, two rows: 20 repeats of milliseconds per pass, and compiling         ~10 s
     # - end_to_end, the cuda string, the stream probe                                    ~10 s
+    # - warmup_step: 403M parameters, 3 optimizers x 23 steps of milliseconds each       ~10 s
     # - two_gloo_ranks: two spawned processes (torch, CUDA, Triton's disk cache),       ~40 s
     #   3 paths x 8 steps of a small MLP
     # - memory.py --device cuda: 6 configurations x 2 fresh processes, 8-18 steps      ~120 s
@@ -513,6 +558,7 @@ def main() -> None:
         ("throughput_max_block_16384", lambda: throughput(device, tput, kernels,
                                                           max_block=16384)),
         ("end_to_end", lambda: end_to_end(device)),
+        ("warmup_step", lambda: warmup_step(device, *((256, 4) if args.quick else (4096, 24)))),
         ("device_cuda_string", lambda: device_cuda_string(device)),
         ("stream_order_probe", lambda: stream_order_probe(device)),
         ("two_gloo_ranks", lambda: two_gloo_ranks(device)),
