@@ -324,6 +324,7 @@ def _rank(rank, world, port, workload, variant, seed, queue):
         curve, clipped = [], 0
         calls = _count_collectives()
         start, began = written(), time.perf_counter()
+        evaluated = {STEPS * k // 6 for k in range(1, 7)}
         for step in range(1, STEPS + 1):
             batch = work.batch_of(gen)
             opt.zero_grad()
@@ -333,7 +334,10 @@ def _rank(rank, world, port, workload, variant, seed, queue):
             norm = _clip(variant, ddp, opt)
             clipped += norm is not None and norm > CLIP
             opt.step()
-            if step % (STEPS // 6) == 0:
+            # Six points, the last at the run's end: with 2,000 steps the last was at 1,998
+            # (6 x 333), where 0/1 Adam's ranks were between syncs (each on its own point; the
+            # run's last step syncs them), and rank 0's own point was reported.
+            if step in evaluated:
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                     curve.append((step, written() - start, work.val_loss(model)))
         sent = written() - start
