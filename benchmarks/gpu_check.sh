@@ -11,22 +11,7 @@
 #
 #   benchmarks/gpu_check.sh                       # OUT=gpu_check_out PYTHON=python3
 #   DEVICE=cpu QUICK=1 TRITON_INTERPRET=1 PYTHON=.venv/bin/python benchmarks/gpu_check.sh
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu_check_out}
-PYTHON=${PYTHON:-python3}
-mkdir -p "$OUT"
-SITE=$(mktemp -d)
-trap 'rm -rf "$SITE"' EXIT
-mkdir -p "$SITE/onebit_plugin"
-cp -r onebit_plugin/. "$SITE/onebit_plugin/"
-cp -r kernels "$SITE/onebit_plugin/kernels"
-cp -r integrations "$SITE/onebit_plugin/integrations"
-export PYTHONPATH="$SITE" PYTHONUNBUFFERED=1
-if [ "${DEVICE:-cuda}" = cuda ]; then
-    unset TRITON_INTERPRET
-    nvidia-smi > "$OUT/machine.txt" 2>&1
-fi
+source "$(dirname "$0")/gpu_site.sh" machine.txt
 "$PYTHON" -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, \
 triton.__version__)" >> "$OUT/machine.txt" 2>&1
 "$PYTHON" benchmarks/gpu_check.py --device "${DEVICE:-cuda}" ${QUICK:+--quick} --out "$OUT" \

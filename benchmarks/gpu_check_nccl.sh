@@ -8,24 +8,7 @@
 #
 #   benchmarks/gpu_check_nccl.sh                  # OUT=gpu_check_out PYTHON=python3
 #   DEVICE=cpu PYTHON=.venv/bin/python benchmarks/gpu_check_nccl.sh    # the script, on gloo
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-gpu_check_out}
-PYTHON=${PYTHON:-python3}
-mkdir -p "$OUT"
-SITE=$(mktemp -d)
-trap 'rm -rf "$SITE"' EXIT
-mkdir -p "$SITE/onebit_plugin"
-cp -r onebit_plugin/. "$SITE/onebit_plugin/"
-cp -r kernels "$SITE/onebit_plugin/kernels"
-cp -r integrations "$SITE/onebit_plugin/integrations"
-export PYTHONPATH="$SITE" PYTHONUNBUFFERED=1
-if [ "${DEVICE:-cuda}" = cuda ]; then
-    unset TRITON_INTERPRET
-    nvidia-smi > "$OUT/machine_nccl.txt" 2>&1
-    BACKEND=nccl
-else
-    BACKEND=gloo
-fi
+source "$(dirname "$0")/gpu_site.sh" machine_nccl.txt
+BACKEND=$([ "${DEVICE:-cuda}" = cuda ] && echo nccl || echo gloo)
 "$PYTHON" benchmarks/gpu_check_nccl.py --device "${DEVICE:-cuda}" --backend "$BACKEND" \
     --out "$OUT/gpu_check_nccl.json" 2>&1 | tee "$OUT/gpu_check_nccl.log"

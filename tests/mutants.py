@@ -218,6 +218,13 @@ MUTANTS = [
        "        gen = torch.Generator(device=p.device).manual_seed(_SEED + self.index[p])",
        "        gen = torch.Generator(device=p.device).manual_seed(_SEED - self.index[p])",
        "tests/test_clipping.py::test_a_sketch_goes_in_pieces_and_its_signs_may_be_drawn_again"),
+    _m("fingerprint-every-gradient-at-once", "row: GPU path, what the CPU can show",
+       "onebit_plugin/rank_checks.py",
+       "    sums = []\n    for p in params:\n",
+       "    sums = []\n    held = [q.grad.double() for q in params if q.grad is not None]\n"
+       "    for p in params:\n",
+       "tests/test_bad_input.py::"
+       "test_the_gradient_fingerprint_holds_one_gradient_in_float64_at_a_time"),
     _m("subgroup-made-world-wide", "row: a data-parallel subgroup", AR,
        "use_local_synchronization=True, **eager)",
        "**eager)",

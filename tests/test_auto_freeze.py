@@ -110,28 +110,9 @@ def test_a_check_holds_one_parameters_roots_at_a_time_and_reuses_the_oldest_snap
     oldest one's memory, and the check computes one parameter's roots at a time: live float32
     values, counted at torch's dispatcher during the third check, stay within a few times
     the largest parameter (issue 33, item 4). The change it measures is the same number."""
-    import weakref
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from onebit_plugin.freeze import AutoFreeze, current_roots
     from onebit_plugin.masks import negligible_root
-
-    live, peak = [0], [0]
-
-    def release(numel: int) -> None:
-        live[0] -= numel
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, tuple | list) else (out,):
-                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and \
-                        t.numel() > 2 and not any(t is a for a in args):  # not in place
-                    live[0] += t.numel()
-                    peak[0] = max(peak[0], live[0])
-                    weakref.finalize(t, release, t.numel())
-            return out
+    from tests.live_values import LiveValues
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(3000))] + \
@@ -152,9 +133,9 @@ def test_a_check_holds_one_parameters_roots_at_a_time_and_reuses_the_oldest_snap
         if step < 32:
             auto.observe(step, roots, negligible_root)
     oldest = [t.data_ptr() for t in auto.snapshots[0][1]]
-    with Count():
+    with LiveValues(torch.float32) as count:
         auto.observe(32, roots, negligible_root)
-    assert 0 < peak[0] <= 3 * 3000, peak[0]  # all roots at once: 23,000 and more
+    assert 0 < count.peak <= 3 * 3000, count.peak  # all roots at once: 23,000 and more
     assert [t.data_ptr() for t in auto.snapshots[1][1]] == oldest
     assert all(torch.equal(a, b) for a, b in zip(auto.snapshots[1][1], seen[2], strict=True))
     now, then = torch.cat(seen[2]), torch.cat(seen[0])  # the change, fp32 differences

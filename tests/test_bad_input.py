@@ -158,32 +158,14 @@ def test_the_gradient_fingerprint_holds_one_gradient_in_float64_at_a_time():
     gradient to float64 at once: 8 more bytes per parameter alive together. Live float64 values
     are counted at torch's dispatcher while it runs: at most the largest gradient's (and its
     square's), not the sum of all of them (issue 33, item 3)."""
-    import weakref
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from onebit_plugin.rank_checks import grad_fingerprint
-
-    live, peak = [0], [0]
-
-    def release(numel: int) -> None:
-        live[0] -= numel
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, tuple | list) else (out,):
-                if isinstance(t, torch.Tensor) and t.dtype == torch.float64 and t.numel() > 2:
-                    live[0] += t.numel()
-                    peak[0] = max(peak[0], live[0])
-                    weakref.finalize(t, release, t.numel())
-            return out
+    from tests.live_values import LiveValues
 
     params = [torch.nn.Parameter(torch.randn(n)) for n in (1000, 3000, 2000, 500)]
     for p in params:
         p.grad = torch.randn_like(p)
-    with Count():
+    with LiveValues(torch.float64) as count:
         fingerprint = grad_fingerprint(params, averaged_by_us=False)
     grads = torch.cat([p.grad for p in params]).double()
     assert torch.allclose(fingerprint, torch.stack([grads.sum(), grads.square().sum()]))
-    assert 0 < peak[0] <= 2 * 3000, peak[0]
+    assert 0 < count.peak <= 2 * 3000, count.peak

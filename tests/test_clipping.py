@@ -376,39 +376,18 @@ def test_a_sketch_goes_in_pieces_and_its_signs_may_be_drawn_again():
     sketch instead of kept (1 byte per parameter). On the CPU drawing again gives the very
     signs kept, so both give the same sketch, which is the definition's: sum of s_i g_i per
     bucket i mod width."""
-    import weakref
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from onebit_plugin.norm_sketch import SKETCH_PIECE, NormSketch
-
-    live, peak = [0], [0]
-
-    def release(numel: int) -> None:
-        live[0] -= numel
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, tuple | list) else (out,):
-                inputs = {a.untyped_storage().data_ptr() for a in args
-                          if isinstance(a, torch.Tensor)}
-                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and \
-                        t.numel() > 4096 and t.untyped_storage().data_ptr() not in inputs:
-                    live[0] += t.numel()  # a new tensor (not a view, not in place)
-                    peak[0] = max(peak[0], live[0])
-                    weakref.finalize(t, release, t.numel())
-            return out
+    from tests.live_values import LiveValues
 
     n, width = 3 * SKETCH_PIECE + 777, 300  # pieces of whole rows, a ragged end
     p = torch.empty(n)
     grad = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     params = [torch.empty(10), p]  # p's signs from its position, 1
     kept, drawn = NormSketch(params, width), NormSketch(params, width, keep_signs=False)
-    with Count():
+    with LiveValues(torch.float32, least=4096) as count:
         a = kept.of(p, grad)
     b = drawn.of(p, grad)
-    assert 0 < peak[0] <= 2 * SKETCH_PIECE, peak[0]  # whole: 3 x 3.1M and more
+    assert 0 < count.peak <= 2 * SKETCH_PIECE, count.peak  # whole: 3 x 3.1M and more
     assert drawn.signs == {} and kept.signs[p].numel() == n
     assert torch.equal(a, b)
     signed = grad.double() * kept.signs[p].double()
