@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from onebit_plugin import uses_nccl
 from onebit_plugin.optimizer import OneBitAdam
 
 log = logging.getLogger("onebit_plugin")
@@ -162,7 +163,7 @@ def _host_group():
     made once, at the first checkpoint (every rank is here then: this is collective)."""
     import torch.distributed as dist
 
-    if dist.get_backend() != "nccl":
+    if not uses_nccl(dist.get_backend()):
         return None
     key = dist.get_world_size()
     if key not in _HOST_GROUPS:
@@ -215,20 +216,28 @@ class OwnRankReader:
         return self.fallback.load_checkpoint(path, weights_only=weights_only, **extra)
 
 
+def _is_torch_io(io) -> bool:
+    """The framework's default checkpoint IO (made at its first use, or given as such), not a
+    subclass or a wrapper of a user's: ``torch.load`` of a path, as the reader does."""
+    cls = type(io)
+    return cls.__name__ == "TorchCheckpointIO" and cls.__module__.endswith("plugins.io.torch_io")
+
+
 @contextlib.contextmanager
 def reading_own_rank(strategy):
-    """While a Lightning or Fabric strategy loads a checkpoint: its default IO (none given by
-    the user, whose own IO is left alone) reads this rank's entry alone."""
-    if strategy._checkpoint_io is not None:
+    """While a Lightning or Fabric strategy loads a checkpoint: its default IO, the framework's
+    TorchCheckpointIO, reads this rank's entry alone; a user's own IO (a subclass, a wrapper
+    such as AsyncCheckpointIO) is left alone and reads what it reads."""
+    given = strategy._checkpoint_io
+    if given is not None and not _is_torch_io(given):
         yield
         return
-    default = strategy.checkpoint_io  # the framework's TorchCheckpointIO, made now
-    strategy._checkpoint_io = OwnRankReader(default, strategy.global_rank,
-                                            strategy.world_size)
+    strategy._checkpoint_io = OwnRankReader(strategy.checkpoint_io if given is None else given,
+                                            strategy.global_rank, strategy.world_size)
     try:
         yield
     finally:
-        strategy._checkpoint_io = default
+        strategy._checkpoint_io = given  # None stays None: the framework makes its default
 
 
 def read_own_rank(path, rank: int, world: int, weights_only: bool | None) -> dict | None:

@@ -15,6 +15,7 @@ from onebit_plugin.allreduce import (
     ExactAllreduce,
     OneBitAllreduce,
     group_timeout,
+    uses_nccl,
 )
 from onebit_plugin.base import OneBitOptimizer
 from onebit_plugin.compression import ChunkLayout
@@ -63,6 +64,7 @@ __all__ = [
     "onebit_hook",
     "register_onebit_hook",
     "settings_from_env",
+    "uses_nccl",
 ]
 __version__ = "0.1.0"
 

@@ -51,6 +51,7 @@ __all__ = [
     "group_timeout",
     "resolve_device",
     "new_group",
+    "uses_nccl",
     "wait_collectives",
 ]
 
@@ -118,8 +119,15 @@ def wait_collectives(works: list, timeout: timedelta | None, what: str, group=No
         ) from exc
 
 
+def uses_nccl(backend) -> bool:
+    """Whether a group of ``backend`` runs CUDA tensors' collectives on NCCL: "nccl", or a
+    backend per device ("cpu:gloo,cuda:nccl", what ``init_process_group()`` without a backend
+    makes on a machine with GPUs)."""
+    return "nccl" in str(backend)
+
+
 def _is_nccl(group) -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl"
+    return dist.is_available() and dist.is_initialized() and uses_nccl(dist.get_backend(group))
 
 
 _sleep = time.sleep  # patched by the tests
@@ -127,10 +135,11 @@ _sleep = time.sleep  # patched by the tests
 
 def _poll_until_done(works: list, timeout: timedelta) -> None:
     """Return once every work reports completion (success or failure); RuntimeError once
-    ``timeout`` has passed. The pauses double from 10 us up to 1 ms."""
-    deadline = time.monotonic() + timeout.total_seconds()
+    ``timeout`` has passed for one of them. The first pause is a bare yield, the next ones
+    double from 10 us (about 60 us asleep on Linux, its timer slack) up to 1 ms."""
     pause = 0.0
-    for work in works:
+    for work in works:  # each its own comm_timeout, as gloo's wait(timeout) gives it
+        deadline = time.monotonic() + timeout.total_seconds()
         while not work.is_completed():
             if time.monotonic() > deadline:
                 raise RuntimeError(f"not completed after {timeout.total_seconds():g} s")
@@ -169,7 +178,7 @@ def group_timeout(timeout: timedelta, backend: str) -> timedelta:
     ``timeout`` itself (on NCCL by polling the work's completion), so the watchdog gets
     twice that, at least 30 s more: CommunicationError comes first, then the group is aborted
     (wait_collectives). The Lightning strategy gives the default group the same."""
-    return timeout + max(timeout, WATCHDOG_MARGIN) if backend == "nccl" else timeout
+    return timeout + max(timeout, WATCHDOG_MARGIN) if uses_nccl(backend) else timeout
 
 
 def new_group(group: dist.ProcessGroup | None, timeout: timedelta | None,
@@ -183,7 +192,7 @@ def new_group(group: dist.ProcessGroup | None, timeout: timedelta | None,
     # NCCL makes a group's communicator at its first collective, unless bound to a device: a
     # run resumed straight into the compression stage would make it on the background thread,
     # in the middle of backward. Made here, on the thread that makes the group.
-    eager = {"device_id": device} if backend == "nccl" and device is not None and \
+    eager = {"device_id": device} if uses_nccl(backend) and device is not None and \
         device.type == "cuda" else {}
     if ranks is None or len(ranks) == dist.get_world_size():
         return dist.new_group(ranks=ranks, timeout=timeout, **eager)

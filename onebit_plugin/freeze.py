@@ -98,9 +98,11 @@ class AutoFreeze:
                             "(ONEBIT_TOTAL_STEPS for the Accelerate flag) to freeze at 20% of the "
                             "run at the latest")
         reason = self.observe(applied, roots, negligible)
-        if reason is not None and rank == 0:
-            log.warning("onebit: freeze_step='auto' froze the variance after step %d: %s",
-                        applied, reason)
+        if reason is not None:
+            self.snapshots = []  # warm-up only: 8 bytes per parameter, freed at the freeze
+            if rank == 0:
+                log.warning("onebit: freeze_step='auto' froze the variance after step %d: %s",
+                            applied, reason)
         return reason is not None
 
     def observe(self, step: int, roots, negligible: float) -> str | None:

@@ -183,7 +183,7 @@ MUTANTS = [
        "test_each_rank_reads_only_its_own_errors_from_a_strategys_checkpoint"),
     _m("strategies-read-the-whole-checkpoint", "row: GPU path, what the CPU can show",
        "integrations/rank_states.py",
-       "    if strategy._checkpoint_io is not None:\n        yield",
+       "    if given is not None and not _is_torch_io(given):\n        yield",
        "    if True:\n        yield",
        "tests/test_rank_states.py::"
        "test_the_strategies_read_checkpoints_through_the_own_rank_reader"),
@@ -225,6 +225,20 @@ MUTANTS = [
        "    for p in params:\n",
        "tests/test_bad_input.py::"
        "test_the_gradient_fingerprint_holds_one_gradient_in_float64_at_a_time"),
+    _m("reader-only-before-the-default-io-is-made", "row: GPU path, what the CPU can show",
+       "integrations/rank_states.py",
+       "    if given is not None and not _is_torch_io(given):", "    if given is not None:",
+       "tests/test_rank_states.py::"
+       "test_the_strategies_read_checkpoints_through_the_own_rank_reader"),
+    _m("backend-per-device-not-nccl", "row: GPU path, what the CPU can show", AR,
+       '    return "nccl" in str(backend)', '    return str(backend) == "nccl"',
+       "tests/test_faults.py::test_nccl_watchdog_waits_longer_than_comm_timeout",
+       "tests/test_faults.py::"
+       "test_an_nccl_wait_with_comm_timeout_polls_instead_of_sleeping_a_millisecond"),
+    _m("auto-snapshots-kept-after-the-freeze", "row: freeze_step='auto'",
+       "onebit_plugin/freeze.py",
+       "            self.snapshots = []  # warm-up only", "            pass  # warm-up only",
+       "tests/test_auto_freeze.py::test_stationary_gradients_freeze_at_the_first_settled_check"),
     _m("subgroup-made-world-wide", "row: a data-parallel subgroup", AR,
        "use_local_synchronization=True, **eager)",
        "**eager)",

@@ -29,6 +29,9 @@ def test_stationary_gradients_freeze_at_the_first_settled_check(caplog):
     assert opt.stage == "compression"
     assert is_check_step(opt.switch_step) and opt.switch_step < 200
     assert opt.auto_freeze.last["change"] <= SETTLED  # what it froze on
+    from onebit_plugin.memory import buffer_bytes
+
+    assert "auto-freeze snapshots" not in buffer_bytes(opt)  # warm-up only: freed
     said = [r.message for r in caplog.records if "freeze_step='auto' froze" in r.message]
     assert len(said) == 1 and f"after step {opt.switch_step}:" in said[0], said
 

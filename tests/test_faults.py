@@ -130,7 +130,7 @@ class _Work:
         return True
 
 
-@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+@pytest.mark.parametrize("backend", ["gloo", "nccl", "cpu:gloo,cuda:nccl"])
 def test_an_nccl_wait_with_comm_timeout_polls_instead_of_sleeping_a_millisecond(monkeypatch,
                                                                               backend):
     """NCCL's wait(timeout) sleeps 1 ms between its checks: at least 1 ms per exchange. On
@@ -190,7 +190,7 @@ def test_a_timed_out_group_is_aborted_on_nccl_only(monkeypatch, backend):
     assert aborted == ([group] if backend == "nccl" else [])
 
 
-@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+@pytest.mark.parametrize("backend", ["gloo", "nccl", "cpu:gloo,cuda:nccl"])
 def test_nccl_watchdog_waits_longer_than_comm_timeout(monkeypatch, backend):
     """NCCL's watchdog ends the process at its group's timeout; OneBitAdam's group gives it
     2 x comm_timeout (at least +30 s) so that CommunicationError, which every wait raises at
@@ -206,7 +206,7 @@ def test_nccl_watchdog_waits_longer_than_comm_timeout(monkeypatch, backend):
     monkeypatch.setattr(dist, "new_group", lambda ranks=None, timeout=None: made.append(timeout))
     new_group(None, timedelta(seconds=3))
     new_group(None, timedelta(seconds=100))
-    if backend == "nccl":
+    if "nccl" in backend:  # also a backend per device: CUDA tensors go to NCCL
         assert made == [timedelta(seconds=33), timedelta(seconds=200)]
     else:
         assert made == [timedelta(seconds=3), timedelta(seconds=100)]

@@ -268,7 +268,8 @@ def test_each_rank_reads_only_its_own_errors_from_a_strategys_checkpoint(tmp_pat
 
 def test_the_strategies_read_checkpoints_through_the_own_rank_reader(tmp_path):
     """Trainer(strategy="onebit_adam") and Fabric(strategy="onebit_adam") load through
-    read_own_rank unless the user gave a checkpoint IO of their own (which is then used)."""
+    read_own_rank with the framework's TorchCheckpointIO, also once it was made by a save or
+    given as such, and every time; a user's own IO (here a subclass) reads what it reads."""
     pytest.importorskip("lightning")
     import lightning.fabric
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -276,17 +277,23 @@ def test_the_strategies_read_checkpoints_through_the_own_rank_reader(tmp_path):
     from onebit_plugin.integrations.fabric_strategy import make_fabric_strategy_class
     from onebit_plugin.integrations.lightning import classes_for
 
+    class OwnIO(TorchCheckpointIO):
+        pass
+
     path = tmp_path / "a.ckpt"
     ranks = [{"errors": torch.full((4,), float(r))} for r in range(3)]
     torch.save({"optimizer_states": [{"onebit": ranks[0], "onebit_ranks": ranks}]}, path)
     lightning_cls = classes_for("lightning.pytorch")[0]
     fabric_cls = make_fabric_strategy_class(lightning.fabric, __name__)
-    for strategy in (lightning_cls(), fabric_cls()):  # one process: another world size
-        read = strategy.load_checkpoint(path)
-        assert read["optimizer_states"][0]["onebit_ranks"] == [None] * 3
-        assert strategy._checkpoint_io is not None and \
-            type(strategy.checkpoint_io).__name__ == "TorchCheckpointIO"  # put back
-        own = type(strategy)(checkpoint_io=TorchCheckpointIO())
-        whole = own.load_checkpoint(path)["optimizer_states"][0]["onebit_ranks"]
-        assert all(torch.equal(a["errors"], b["errors"])
-                   for a, b in zip(whole, ranks, strict=True))
+    for cls in (lightning_cls, fabric_cls):
+        for strategy in (cls(), cls(checkpoint_io=TorchCheckpointIO())):
+            for _ in range(2):  # one process: another world size, no rank's entry is read
+                read = strategy.load_checkpoint(path)
+                assert read["optimizer_states"][0]["onebit_ranks"] == [None] * 3
+            strategy.checkpoint_io  # noqa: B018 - made as a save makes it
+            read = strategy.load_checkpoint(path)
+            assert read["optimizer_states"][0]["onebit_ranks"] == [None] * 3
+            assert type(strategy.checkpoint_io) is TorchCheckpointIO  # put back
+        whole = cls(checkpoint_io=OwnIO()).load_checkpoint(path)
+        assert all(torch.equal(a["errors"], b["errors"]) for a, b in
+                   zip(whole["optimizer_states"][0]["onebit_ranks"], ranks, strict=True))
