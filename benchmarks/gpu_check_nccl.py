@@ -350,8 +350,12 @@ def main() -> None:
         report["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) \
             else str(version)
     print(json.dumps({k: report[k] for k in report if k != "settings"}), flush=True)
-    startup_s = 180.0  # two processes: torch, CUDA, NCCL, Triton compiling, the warm-up steps
+    # Two processes: torch, CUDA, NCCL, Triton compiling, the warm-up steps. The parts' limits
+    # add up to at most about 520 s, inside a lent machine's 10 minutes per command.
+    startup_s = 90.0
     checks = {}
+    out_dir = os.path.dirname(args.out) or "."
+    os.makedirs(out_dir, exist_ok=True)
     for part in args.parts:
         started = time.perf_counter()
         try:
@@ -369,11 +373,9 @@ def main() -> None:
             checks[part] = False
         report[f"{part}_seconds"] = round(time.perf_counter() - started, 1)
         print(json.dumps({part: report[part], "ok": checks[part]}), flush=True)
-    report["ok"] = checks
-    out_dir = os.path.dirname(args.out) or "."
-    os.makedirs(out_dir, exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+        report["ok"] = checks
+        with open(args.out, "w") as f:  # after every part: a run cut short keeps what it saw
+            json.dump(report, f, indent=1)
     path = append_run("gpu_check_nccl", None, report)
     with open(os.path.join(out_dir, "gpu_check_nccl_record.json"), "w") as f:
         f.write(json.dumps(read_runs("gpu_check_nccl")[-1], separators=(",", ":")) + "\n")

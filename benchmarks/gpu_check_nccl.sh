@@ -10,5 +10,8 @@
 #   DEVICE=cpu PYTHON=.venv/bin/python benchmarks/gpu_check_nccl.sh    # the script, on gloo
 source "$(dirname "$0")/gpu_site.sh" machine_nccl.txt
 BACKEND=$([ "${DEVICE:-cuda}" = cuda ] && echo nccl || echo gloo)
+"$PYTHON" -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, \
+triton.__version__)" >> "$OUT/machine_nccl.txt" 2>&1
+# Further arguments go to gpu_check_nccl.py (--parts, --steps, --hang-timeout, ...).
 "$PYTHON" benchmarks/gpu_check_nccl.py --device "${DEVICE:-cuda}" --backend "$BACKEND" \
-    --out "$OUT/gpu_check_nccl.json" 2>&1 | tee "$OUT/gpu_check_nccl.log"
+    --out "$OUT/gpu_check_nccl.json" "$@" 2>&1 | tee "$OUT/gpu_check_nccl.log"
