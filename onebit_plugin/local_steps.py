@@ -205,7 +205,8 @@ def local_bound(world: int) -> float:
     (clamp, then average). The common point stays bounded at 1: the landing clamps the average.
     On benchmarks/fidelity.py's GPT, 2,000 steps with syncs every step (seed 0), it ended
     +1.04% above Adam where a local bound of 1 gave +2.80%; at the default intervals (up to 16,
-    3 seeds) +4.69% against +5.50%, within the seeds' spread (docs/benchmarks.md)."""
+    3 seeds, rank 0's own point at step 1,998) +4.69% against +5.50%, within the seeds' spread
+    (docs/benchmarks.md)."""
     return world ** 0.5
 
 
