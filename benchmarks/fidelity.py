@@ -466,6 +466,9 @@ def plot(rows: list[dict], path: Path) -> None:
                     color=f"C{present.index(variant) % 10}",
                     linestyle="--" if "clip" in variant else "-")
         ax.set_xscale("log")
+        # Log ticks between powers of ten are labelled too where a span is short: on their
+        # side they overlapped.
+        ax.tick_params(axis="x", which="both", labelrotation=45, labelsize=7)
         ax.set_xlabel("MiB written per rank (/proc/self/io)")
         ax.set_ylabel("validation loss (mean of seeds)")
         ax.set_title(workload)
@@ -477,7 +480,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     global STEPS, LR
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seeds", type=int, default=3, help="runs per variant, seeds 0 to N-1")
     p.add_argument("--steps", type=int, default=STEPS,
                    help="optimizer steps per run (default %(default)s)")
     p.add_argument("--workloads", default=",".join(STANDARD))
@@ -487,8 +490,11 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--out", default=None,
                    help="also write the rows to this JSON file (the run's record goes to "
-                        "benchmarks/results/fidelity.jsonl in any case)")
-    p.add_argument("--plot", default=str(ROOT / "docs" / "fidelity_loss_vs_bytes.png"))
+                        "fidelity.jsonl in benchmarks/results/, or in $ONEBIT_RESULTS_DIR, "
+                        "in any case)")
+    p.add_argument("--plot", default=str(ROOT / "docs" / "fidelity_loss_vs_bytes.png"),
+                   help="the loss-vs-bytes plot (default: make fidelity's, a file of docs/: "
+                        "give another path for any other run)")
     args = p.parse_args()
     STEPS, LR = args.steps, args.lr
     rows = []

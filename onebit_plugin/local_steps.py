@@ -16,9 +16,10 @@ Adam sends, so the units' error buffers carry over from phase A (the paper's ``u
 units; DeepSpeed sent the raw sum and restarted its errors at the phase change). With the bound
 the momentum carried on is the one applied: a coordinate whose step was clamped (a rare
 embedding row over a stale variance) does not carry the excess into the next interval. On the
-word-embedding workload of ``benchmarks/fidelity.py`` (2,000 steps) the unclamped mean momentum
-(the paper's ``u``, accumulated separately) ended 2.7-3.4% above Adam where this ended within
-1% (docs/benchmarks.md). Taken from the parameters, it needs no buffer and no pass per local
+word-embedding workload of ``benchmarks/fidelity.py`` (2,000 steps, seeds 0 and 1, rank 0's
+own point at step 1,998, between syncs) the unclamped mean momentum (the paper's ``u``,
+accumulated separately) ended 3.0% and 3.4% above Adam where this ended within 1%
+(docs/benchmarks.md, history). Taken from the parameters, it needs no buffer and no pass per local
 step: one pass at the sync, whose rounding (an ulp of ``p`` against the interval's movement) is
 far below the 1-bit compression's error. The units' 1-bit allreduce averages ``y``; every rank
 then takes it as the momentum and lands on
