@@ -184,9 +184,12 @@ def main(argv=None) -> dict:
         if step % args.eval_every == 0 or step == args.steps:
             val_loss = evaluate(model, val.to(device), args.context)
             history.append((step, loss.item(), val_loss))
+            # 0/1 Adam between syncs: rank 0's own point, not the common one the next sync
+            # lands on (docs/limits.md); the last step is a sync.
+            own = "  (rank 0's own point, between syncs)" if opt.between_syncs else ""
             say(f"step {step:5d}  stage {opt.stage:11s}  train {loss.item():.3f}  "
                 f"val {val_loss:.3f}  sent {opt.bytes_sent / 2**20:8.2f} MiB  "
-                f"(fp32 allreduce: {opt.dense_bytes / 2**20:8.2f} MiB)")
+                f"(fp32 allreduce: {opt.dense_bytes / 2**20:8.2f} MiB){own}")
         if args.check_lockstep and step % args.check_lockstep == 0 and not opt.between_syncs:
             check_lockstep(model.parameters(), opt)  # raises LockstepError on any difference
             checks += 1

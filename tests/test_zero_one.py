@@ -486,3 +486,45 @@ def test_a_local_step_clips_each_ranks_own_gradient_by_its_own_norm():
         for norm, expected, scaled in seen:
             assert norm == pytest.approx(expected, rel=1e-6) and norm > 0.5
             assert all(scaled)
+
+
+def test_a_validation_between_syncs_is_said_once_or_synced_first(caplog):
+    """Lightning's OneBitAdamCallback: a validation that starts between ZeroOneAdam's syncs
+    evaluates each rank's own point; it is said once (rank zero), or with
+    sync_before_validation=True the ranks sync first (one more sync, the schedule as it was)."""
+    import logging
+    import warnings
+    from types import SimpleNamespace
+
+    pytest.importorskip("lightning")
+    from onebit_plugin.integrations.lightning import classes_for
+
+    callback_cls = classes_for("lightning.pytorch")[1]
+
+    def between_syncs():
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.randn(8))
+        opt = ZeroOneAdam([p], lr=1e-2, var_freeze_step=2, var_update_scaler=1,
+                          local_step_scaler=1, local_step_clipper=4, total_steps=50)
+        for _ in range(10):
+            p.grad = torch.randn(8)
+            opt.step()
+            if opt.between_syncs:
+                return opt, SimpleNamespace(optimizers=[opt], global_step=opt.global_step)
+        raise AssertionError("never between syncs")
+
+    opt, trainer = between_syncs()
+    quiet = callback_cls()
+    with warnings.catch_warnings(record=True) as said, caplog.at_level(logging.WARNING):
+        warnings.simplefilter("always")
+        quiet.on_validation_start(trainer, None)
+        quiet.on_validation_start(trainer, None)
+    said = [str(w.message) for w in said] + [r.getMessage() for r in caplog.records]
+    said = [m for m in said if "runs between ZeroOneAdam's syncs" in m]
+    assert len(said) == 1 and "sync_before_validation=True" in said[0], said
+    assert opt.between_syncs  # the run's trajectory untouched
+    opt, trainer = between_syncs()
+    syncing = callback_cls(sync_before_validation=True)
+    syncs = opt.syncs
+    syncing.on_validation_start(trainer, None)
+    assert not opt.between_syncs and opt.syncs == syncs + 1
