@@ -134,9 +134,9 @@ def _when(opt) -> str:
         if opt.auto_freeze.ceiling:
             return ("once the variance has settled (freeze_step=auto), at the latest after step "
                     f"{opt.auto_freeze.ceiling}")
-        return ("once the variance has settled (freeze_step=auto; its ceiling, 20% of the run, "
-                "needs the run's length: a transformers.Trainer gives it, else set "
-                "ONEBIT_TOTAL_STEPS)")
+        return ("once the variance has settled (freeze_step=auto; its ceiling, "
+                f"{opt.auto_freeze.fraction:.0%} of the run, needs the run's length: a "
+                "transformers.Trainer gives it, else set ONEBIT_TOTAL_STEPS)")
     reaches = opt.compresses_within_run()
     if reaches is None:
         return (f"after step {opt.freeze_step}, if the run is longer than that (its length is "

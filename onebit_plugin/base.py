@@ -79,8 +79,8 @@ class OneBitOptimizer(Optimizer):
                  masks: dict | None = None, process_group: dist.ProcessGroup | None = None):
         super().__init__(params, defaults)
         self.config, self.policy, self.process_group = config, policy, process_group
-        self.auto_freeze = AutoFreeze(config.total_steps) if config.freeze_step == "auto" \
-            else None
+        self.auto_freeze = AutoFreeze(config.total_steps, policy.auto_ceiling) \
+            if config.freeze_step == "auto" else None
         self._masks = {}
         for p, m in (masks or {}).items():
             if m.shape != p.shape:

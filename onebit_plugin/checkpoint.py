@@ -32,7 +32,7 @@ def onebit_state(opt) -> dict:
             "unit_cap_bytes": opt._unit_cap_bytes, **opt.counts.state_dict(),
             "clipping": opt.handoff.sketch is not None, "units": units,
             "local_steps": local_steps.saved_state(opt), "syncs": opt.syncs,
-            "variance_clock": "steps"}
+            "variance_clock": "steps", "sent": opt.policy.exchange.sent}
 
 
 def load_state(opt, state_dict: dict, torch_load) -> None:
@@ -100,7 +100,8 @@ def load_onebit_state(opt, onebit: dict) -> None:
         # Whose errors they are is checked when the units take them (load_unit_errors): the
         # integrations load rank 0's whole state first, then each rank's own errors.
         opt._saved.update(units=onebit["units"], unit_cap_bytes=onebit["unit_cap_bytes"],
-                          rank=onebit.get("rank"))  # absent in states saved before this field
+                          rank=onebit.get("rank"),  # absent in states saved before this field
+                          sent=onebit.get("sent", "momentum"))  # absent: the momentum
     opt._forget_layout()
     local_steps.load_saved_state(opt, onebit.get("local_steps"))
 
@@ -155,7 +156,17 @@ def load_unit_errors(opt, saved: list[dict]) -> None:
                          f"optimizer has {len(opt._units)}")
     rank = group_size_and_rank(opt.process_group)[1]
     saved_by = opt._saved.pop("rank", None)
+    sent = opt._saved.pop("sent", "momentum")
     errors = any(set(state) - {"numel"} for state in saved)  # none when exact
+    if errors and sent != opt.policy.exchange.sent:
+        if rank == 0:
+            log.warning(
+                "onebit: the checkpoint's error buffers are residuals of the %s, and this "
+                "optimizer sends the %s (1-bit LAMB sends m / denom since 2026-12-03, "
+                "docs/usage.md): they do not convert and are not loaded; the error feedback "
+                "restarts from zero (as DeepSpeed's did at every load), so the run goes on "
+                "from the checkpoint but not bit for bit", sent, opt.policy.exchange.sent)
+        return  # the errors stay zero
     if errors and saved_by is not None and saved_by != rank:
         log.warning(
             "onebit: rank %d resumes from a OneBitAdam state that rank %d saved in the "

@@ -36,7 +36,8 @@ def build_units(opt) -> None:
     opt._units = build(
         partition(opt._trainable(), opt._unit_cap_bytes), opt.state,
         {p: g for g in opt.param_groups for p in g["params"]}, opt._masks,
-        opt.config.mask_zero_variance, opt.communicator, spare, opt.policy.keeps_variance)
+        opt.config.mask_zero_variance, opt.communicator, spare, opt.policy.keeps_variance,
+        opt.policy.exchange.send_bound)
     opt._unit_of = {p: u for u in opt._units for p in u.params}
     _say_if_compact_errors_save_nothing(opt)
     # The step counters become views of one tensor: one add and one read a step for all of
@@ -128,9 +129,10 @@ def count_step(opt) -> list[float]:
 def frozen_update(opt, counts: list[float], *, averaged: bool, local: bool = False) -> None:
     """The policy's compression-stage update of every group over the units' denominators,
     from the units' averages (``averaged``) or from the momenta as they are; ``local``: a
-    local step's, on this rank's own momentum (its bound, ``local_steps.local_bound``)."""
+    local step's, on this rank's own momentum (its bound, ``local_steps.local_bound``). An
+    exchange that bounds what it sends (``policy.OverDenominator``) leaves no bound here."""
     bound = None
-    if opt.config.bound_update:
+    if opt.config.bound_update and opt.policy.exchange.send_bound is None:
         bound = local_steps.local_bound(opt.world_size) if local else 1.0
     for group, params, index, units, exp_avgs, denoms in update_rows(opt)[0]:
         opt.policy.compression_update_(

@@ -93,7 +93,7 @@ class OneBitConfig:
                 "freeze_step is required: the number of uncompressed warm-up steps (Adam, or "
                 "LAMB for OneBitLamb) "
                 "(an int >= 1; 15-25% of the run is typical), or 'auto' (with total_steps, "
-                "frozen at 20% of the run at the latest)"
+                "frozen at 20% of the run at the latest, 15% for OneBitLamb)"
             )
         check_settings(dataclasses.asdict(self))
         for name in ("mask_zero_variance", "average_grads", "compress_momentum",

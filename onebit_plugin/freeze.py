@@ -34,7 +34,8 @@ FIRST_CHECK = 16
 SETTLED = 0.10
 NEW_COORDINATES = 1e-3
 # 20% of the run at most: then the whole run sends about 0.2 + 0.8/30 of Adam's bytes (4.4x
-# fewer), inside the paper's 15-25% (docs/benchmarks.md measures the loss at this point).
+# fewer), inside the paper's 15-25% (docs/benchmarks.md measures the loss at this point). A
+# member may set its own (``Policy.auto_ceiling``: 1-bit LAMB's is 15%).
 CEILING = 0.20
 log = logging.getLogger("onebit_plugin")
 _CHECK_STEPS = frozenset(round(FIRST_CHECK * 2 ** (k / 2)) for k in range(80))
@@ -73,8 +74,9 @@ class AutoFreeze:
     trainable parameter, warm-up only, in host memory: pinned for a GPU's parameters) and what
     the last check measured."""
 
-    def __init__(self, total_steps: int | None):
+    def __init__(self, total_steps: int | None, fraction: float = CEILING):
         self.total_steps = total_steps
+        self.fraction = fraction  # of total_steps: the ceiling
         self.snapshots: list[tuple[int, list[torch.Tensor]]] = []  # oldest first, at most 2
         self.last: dict | None = None
         self._said_no_ceiling = False
@@ -83,7 +85,7 @@ class AutoFreeze:
     def ceiling(self) -> int | None:
         if self.total_steps is None:
             return None
-        return max(1, math.floor(CEILING * self.total_steps))
+        return max(1, math.floor(self.fraction * self.total_steps))
 
     def due(self, applied: int, roots, negligible, rank: int) -> bool:
         """After applied warm-up step ``applied``: freeze now? Rank 0 says why when it does
@@ -95,8 +97,8 @@ class AutoFreeze:
                 log.warning("onebit: freeze_step='auto' without total_steps: the variance freezes "
                             "only once it has settled, which on a short run may be never (all of "
                             "it the uncompressed warm-up); pass total_steps=... "
-                            "(ONEBIT_TOTAL_STEPS for the Accelerate flag) to freeze at 20% of the "
-                            "run at the latest")
+                            "(ONEBIT_TOTAL_STEPS for the Accelerate flag) to freeze at %.0f%% of "
+                            "the run at the latest", 100 * self.fraction)
         reason = self.observe(applied, roots, negligible)
         if reason is not None:
             self.snapshots = []  # warm-up only: 8 bytes per parameter, freed at the freeze
@@ -113,7 +115,7 @@ class AutoFreeze:
         ceiling = self.ceiling
         if ceiling is not None and step >= ceiling:
             last = self.last
-            return (f"the ceiling, {CEILING:.0%} of total_steps={self.total_steps}" +
+            return (f"the ceiling, {self.fraction:.0%} of total_steps={self.total_steps}" +
                     (f" (at step {last['step']} sqrt(v) had changed {last['change']:.1%} since "
                      f"step {last['since']})" if last else ""))
         if not is_check_step(step):

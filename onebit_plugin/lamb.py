@@ -8,9 +8,11 @@ parameter's trust ratio is the frozen average times a factor from the frozen and
 variance (``onebit_plugin.lamb_update``).
 
 DeepSpeed scaled every tensor's momentum to one common scale before compressing it (one scale
-for the whole flattened buffer, so small-momentum layers were not swamped). The 1-bit allreduce
-here keeps a scale per block of ``max_block`` values, so a layer's momentum is compressed at its
-own scale already; no such scaling is done.
+for the whole flattened buffer, so small-momentum layers were not swamped). Here each
+coordinate is: every rank sends ``m / denom``, its momentum over the frozen denominator (the
+scale of its own step), clamped to +-3 before compression where ``bound_update`` is on, and the
+average comes back times the denominator (``onebit_plugin.policy.OverDenominator`` says why and
+what it measured).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch.distributed as dist
 from onebit_plugin.base import OneBitOptimizer
 from onebit_plugin.config import OneBitConfig, check_hparams
 from onebit_plugin.lamb_update import frozen_lamb_update_, lamb_update_
-from onebit_plugin.policy import ExactMomentum, OneBitMomentum, Policy
+from onebit_plugin.policy import ExactMomentum, OneBitMomentum, OverDenominator, Policy
 
 __all__ = ["LambPolicy", "OneBitLamb"]
 
@@ -33,6 +35,11 @@ class LambPolicy(Policy):
     the trust ratio frozen and scaled (module docstring)."""
 
     keeps_variance = False
+    # freeze_step="auto" at 15% of the run at the latest: 1-bit LAMB's authors froze their
+    # tuned BERT runs at step 1,000 of about 7,000 (14%; DeepSpeed's tutorial configs). At 20%
+    # the whole run sends 4.4x fewer bytes than LAMB's, at 15% 5.6x; on the large-batch
+    # workload the loss did not suffer (docs/benchmarks.md, "1-bit LAMB, large batch").
+    auto_ceiling = 0.15
 
     def warmup_update_(self, group, params, states, masters) -> None:
         counts = [state["step"] for state in states]
@@ -67,6 +74,8 @@ class LambPolicy(Policy):
 
     def compression_update_(self, group, params, exp_avgs, denoms, counts, *, bound, masters,
                             averaged, states) -> None:
+        # The exchange bounds what each rank sends (OverDenominator): the base passes no bound.
+        assert bound is None, bound
         factors = frozen_lamb_update_(
             params, exp_avgs, denoms, [s["exp_avg_sq_fresh"] for s in states], counts,
             averaged=averaged, lr=group["lr"], beta1=group["betas"][0],
@@ -74,7 +83,7 @@ class LambPolicy(Policy):
             coeffs=[s["lamb_coeff"] for s in states],
             last_factors=[s["last_factor"] for s in states], factor_min=group["factor_min"],
             factor_max=group["factor_max"], factor_threshold=group["factor_threshold"],
-            bound=bound, masters=masters)
+            masters=masters)
         for state, factor in zip(states, factors, strict=True):
             state["last_factor"] = factor
             state["last_ratio"] = state["lamb_coeff"] * factor
@@ -114,8 +123,8 @@ class OneBitLamb(OneBitOptimizer):
 
     The family's options (``OneBitAdam``'s docstring): ``total_steps``, ``max_block``,
     ``scale``, ``mask_zero_variance``, ``masks``, ``process_group``, ``average_grads``,
-    ``compress_momentum``, ``bound_update`` (in the compression stage each coordinate of
-    ``m_hat / denom`` is clamped to +-1, ``onebit_plugin.lamb_update.frozen_lamb_update_``),
+    ``compress_momentum``, ``bound_update`` (in the compression stage each rank's ``m / denom``
+    is clamped to +-3 before it is sent, ``onebit_plugin.policy.OverDenominator``),
     ``comm_timeout``, ``bucket_cap_mb``, ``max_skipped_steps``, ``master_weights``,
     ``error_dtype``.
     """
@@ -166,6 +175,7 @@ class OneBitLamb(OneBitOptimizer):
                         min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max,
                         factor_min=factor_min, factor_threshold=factor_threshold)
         exchange = OneBitMomentum() if config.compress_momentum else ExactMomentum()
+        exchange = OverDenominator(exchange, bound=config.bound_update)
         super().__init__(params, defaults, config, LambPolicy(exchange), masks=masks,
                          process_group=process_group)
 

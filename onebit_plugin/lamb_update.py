@@ -88,17 +88,14 @@ def frozen_lamb_update_(params, exp_avgs, denoms, fresh_variances, steps: list[f
                         averaged, lr: float, beta1: float, beta2: float, eps: float,
                         weight_decay: float, coeffs: list[float], last_factors: list[float],
                         factor_min: float, factor_max: float, factor_threshold: float,
-                        bound: float | None = 1.0, masters=None) -> list[float]:
+                        masters=None) -> list[float]:
     """The compression stage's LAMB step of one parameter group: each averaged momentum
     (``averaged``: tensors, or parts still encoded) rebuilds a gradient against the momentum it
     replaces (``exp_avgs``, which then take it), that gradient updates the fresh variance, and
-    the parameter moves by ``lr * coeff * factor * u`` over the frozen ``denoms``. ``bound``:
-    each coordinate of ``m_hat / denom`` clamped to +-bound, as 1-bit Adam's ``bound_update``: the
-    frozen variance taken as at least ``m_hat**2``. Without it a rare embedding row, whose frozen
-    variance is tiny, turns the decoded ``+-scale`` of its block into a huge step, and the frozen
-    trust ratio does not shrink it as LAMB's own would (the large-batch workload of
-    ``benchmarks/fidelity.py``: the embedding's largest value 2,944 against LAMB's 5.6 after 60
-    steps). Returns each parameter's factor (the next step's ``last_factors``)."""
+    the parameter moves by ``lr * coeff * factor * u`` over the frozen ``denoms``. No bound here:
+    1-bit LAMB bounds what each rank sends, ``m / denom`` clamped before compression
+    (``policy.OverDenominator``, which says why). Returns each parameter's factor (the next
+    step's ``last_factors``)."""
     masters = masters or [None] * len(params)
     factors = []
     for i, (param, m, denom, fresh, step) in enumerate(zip(params, exp_avgs, denoms,
@@ -113,8 +110,6 @@ def frozen_lamb_update_(params, exp_avgs, denoms, fresh_variances, steps: list[f
         m.copy_(new)
         p = _fp32_param(param, masters[i])
         u_adam = (m / (1 - beta1**step)).div_(denom)
-        if bound is not None:
-            u_adam.clamp_(-bound, bound)
         u = u_adam.add(p, alpha=weight_decay) if weight_decay != 0 else u_adam
         fresh_denom = fresh.sqrt().div_((1 - beta2**step) ** 0.5).add_(eps)
         factor = lamb_factor(denom, fresh_denom, u_adam, u, weight_decay=weight_decay,

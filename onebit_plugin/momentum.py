@@ -13,6 +13,7 @@ uninterrupted one (docs/design.md, "Momentum units").
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -66,12 +67,16 @@ class MomentumUnit:
         hypers: per parameter, its optimizer param-group dict (read at every fold, so LR and
             beta schedules take effect).
         comm: the communicator whose plan (layout, mask) and error buffers the unit keeps.
+        send_bound: None: each rank's fold ``m`` is sent; a number: ``m / denom`` clamped to
+            +-it is (``policy.OverDenominator``; ``math.inf``: not clamped), and the average
+            comes back times ``denom``.
     """
 
     __slots__ = ("params", "offsets", "hypers", "momentum", "_local", "denom", "plan", "errors",
-                 "masked", "_views", "_encoded")
+                 "masked", "_views", "_encoded", "send_bound")
 
-    def __init__(self, params, momenta, denom, keep, hypers, comm, local=None):
+    def __init__(self, params, momenta, denom, keep, hypers, comm, local=None,
+                 send_bound: float | None = None):
         self.params = list(params)
         self.hypers = dict(zip(self.params, hypers, strict=True))
         numel = sum(p.numel() for p in self.params)
@@ -79,7 +84,7 @@ class MomentumUnit:
             if t is not None and t.shape != (numel,):
                 raise ValueError(f"a unit of {numel} values got a {name} of shape "
                                  f"{tuple(t.shape)}")
-        self.denom = denom
+        self.denom, self.send_bound = denom, send_bound
         self.offsets, offset = {}, 0
         for p in self.params:
             self.offsets[p] = offset
@@ -180,7 +185,26 @@ class MomentumUnit:
         """Fold ``grads`` and average the fold into the local momentum, now; False when some
         rank's was not finite. With ``decode=False`` the average may stay encoded: read it
         through :meth:`averaged`, or :meth:`decode_` it first."""
-        return comm.reduce_(self.fold(grads), self.plan, self.errors, decode=decode)
+        if self.send_bound is None:
+            return comm.reduce_(self.fold(grads), self.plan, self.errors, decode=decode)
+        return self._times_denom(comm.reduce_(self._over_denom(grads), self.plan, self.errors))
+
+    def _over_denom(self, grads: dict) -> torch.Tensor:
+        """The fold over the denominator, clamped to +-``send_bound``, in the fold buffer. A
+        non-finite fold makes it all NaN, so the communicator skips the step on every rank as
+        it would have (a clamp would turn an inf into a finite value)."""
+        x = self.fold(grads).materialize().div_(self.denom)
+        if math.isfinite(self.send_bound):
+            finite = torch.isfinite(x).all()  # kept on the device: no host sync
+            x.clamp_(-self.send_bound, self.send_bound)
+            x.masked_fill_(finite.logical_not(), math.nan)
+        return x
+
+    def _times_denom(self, ok: bool) -> bool:
+        """The average of ``m / denom`` back to a momentum, in the fold buffer."""
+        if ok:
+            self.local.mul_(self.denom)
+        return ok
 
     def averaged(self, p: torch.Tensor) -> torch.Tensor | Encoded:
         """``p``'s averaged momentum after :meth:`reduce_`: its slice of the fold buffer, or
@@ -208,7 +232,10 @@ class MomentumUnit:
     def submit(self, comm, grads: dict) -> torch.futures.Future:
         """:meth:`reduce_` on the communicator's background thread, the average left encoded
         where it can be (:meth:`average_into` reads it)."""
-        return comm.submit(self.fold(grads), self.plan, self.errors, decode=False)
+        if self.send_bound is None:
+            return comm.submit(self.fold(grads), self.plan, self.errors, decode=False)
+        future = comm.submit(self._over_denom(grads), self.plan, self.errors)
+        return future.then(lambda done: self._times_denom(done.value()))
 
     def average_into(self, p: torch.Tensor, out: torch.Tensor) -> None:
         """``p``'s averaged momentum into ``out`` (``p``'s shape; the DDP hook's bucket view),
@@ -288,7 +315,8 @@ def _denominator(params: list[torch.Tensor], state, groups: dict, in_place: bool
 
 def build_units(parts: list[list[torch.Tensor]], state, groups: dict, masks: dict,
                 mask_zero_variance: bool, comm, spare: torch.Tensor | None,
-                keep_variance: bool = False) -> list[MomentumUnit]:
+                keep_variance: bool = False, send_bound: float | None = None
+                ) -> list[MomentumUnit]:
     """At the stage change: a unit per part of :func:`partition`, its denominator the frozen
     ``sqrt(v_hat) + eps`` of its parameters (``state[p]``: ``exp_avg_sq`` and
     ``frozen_step``; ``groups[p]``: its param group), its mask from the denominators and
@@ -296,7 +324,7 @@ def build_units(parts: list[list[torch.Tensor]], state, groups: dict, masks: dic
     ``keep_variance`` (a member that refreshes it), the variance is dropped: its memory becomes
     the denominator where it can, and ``state[p]["frozen_denominator"]`` (a view of it) is what
     checkpoints hold. ``spare``: resident memory no longer used (warm-up's gradient buffer),
-    cut into fold buffers where it fits."""
+    cut into fold buffers where it fits. ``send_bound``: :class:`MomentumUnit`'s."""
     # One pass computes each denominator into the memory that keeps it; the masks read it: with
     # a root per use (three) and the temporaries each made, this step took 1.3 s on each of 4
     # emulated hosts sharing 2 cores at 6.5M parameters, against some 0.2 s for a
@@ -312,7 +340,7 @@ def build_units(parts: list[list[torch.Tensor]], state, groups: dict, masks: dic
         keep = keep_mask(params, denom, [groups[p]["eps"] for p in params], negligible,
                          mask_zero_variance, masks)
         unit = MomentumUnit(params, [state[p]["exp_avg"] for p in params], denom, keep,
-                            [groups[p] for p in params], comm, local)
+                            [groups[p] for p in params], comm, local, send_bound)
         for p in params:
             state[p]["exp_avg"] = unit.view(p)
             if not keep_variance or "exp_avg_sq" not in state[p]:  # or resumed without it

@@ -23,7 +23,7 @@ class RunLength:
 
     def reaches(self, freeze_step: int | str, switched: bool) -> bool | None:
         """Whether the compression stage begins before the run ends: None while the length is
-        unknown; with ``"auto"`` True once it is known (20% of the run at the latest)."""
+        unknown; with ``"auto"`` True once it is known (its ceiling at the latest)."""
         if switched:
             return True
         if self.total is None:
