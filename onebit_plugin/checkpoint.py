@@ -169,14 +169,14 @@ def load_unit_errors(opt, saved: list[dict]) -> None:
         return  # the errors stay zero
     if errors and saved_by is not None and saved_by != rank:
         log.warning(
-            "onebit: rank %d resumes from a OneBitAdam state that rank %d saved in the "
+            "onebit: rank %d resumes from a %s state that rank %d saved in the "
             "compression stage: its error buffers are rank %d's (every rank's differ) and are "
             "not loaded; this rank's error feedback restarts from zero, so the run is not the "
             "uninterrupted one. Save every rank's optimizer.onebit_state_dict() and load each "
             "rank's own with load_onebit_state_dict() after load_state_dict() (the Lightning "
             "and Fabric strategies, onebit-run's Accelerate flag and Trainer patch do; "
             "examples/train_torchrun.py --ckpt-dir shows it in a plain loop)",
-            rank, saved_by, saved_by)
+            rank, type(opt).__name__, saved_by, saved_by)
         return  # the errors stay zero
     theirs = next((s["worker"].dtype for s in saved if "worker" in s), None)
     if theirs is not None and opt._units and "worker" in opt._units[0].errors and \

@@ -55,7 +55,7 @@ _UNUSED = {
 # The config's sections that change training and that the engine applied: said as warnings.
 _ENGINE = {
     "fp16": "fp16 with dynamic loss scaling: use your trainer's precision (bf16 runs as is; "
-            "fp16 needs a loss scaler of your own)",
+            "fp16 loss scaling is not supported, docs/limits.md)",
     "bf16": "your trainer's precision (bf16 parameters: master_weights=True)",
     "scheduler": "your trainer's learning-rate scheduler over this optimizer",
     "gradient_clipping": "your trainer's clipping (Trainer(gradient_clip_val=...), "

@@ -114,7 +114,8 @@ class OneBitLamb(OneBitOptimizer):
         params, lr, betas, eps: as for ``torch.optim.Adam``; Adam's bias corrections apply.
         weight_decay: LAMB's: ``weight_decay * p`` is added to the update before the trust
             ratio is taken.
-        freeze_step: warm-up steps (uncompressed LAMB), or ``"auto"`` as for ``OneBitAdam``.
+        freeze_step: warm-up steps (uncompressed LAMB), or ``"auto"`` as for ``OneBitAdam``
+            but at 15% of ``total_steps`` at the latest (``LambPolicy.auto_ceiling``).
         max_coeff, min_coeff: the trust ratio's bounds (10.0, 0.01).
         coeff_beta: the running average of the trust ratio over the warm-up (0.9), bias-corrected
             at the freeze (DeepSpeed's was not, which biased short warm-ups towards 0).

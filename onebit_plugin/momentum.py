@@ -231,7 +231,9 @@ class MomentumUnit:
 
     def submit(self, comm, grads: dict) -> torch.futures.Future:
         """:meth:`reduce_` on the communicator's background thread, the average left encoded
-        where it can be (:meth:`average_into` reads it)."""
+        where it can be (:meth:`average_into` reads it). With ``send_bound`` the fold over the
+        denominator is made on the calling thread first, and the average comes back decoded
+        (and times the denominator) into the fold buffer."""
         if self.send_bound is None:
             return comm.submit(self.fold(grads), self.plan, self.errors, decode=False)
         future = comm.submit(self._over_denom(grads), self.plan, self.errors)

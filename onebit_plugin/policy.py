@@ -99,9 +99,14 @@ class OverDenominator(Exchange):
     variance is tiny (a rare embedding row) decodes to its block's ``+-scale`` over its tiny
     denominator, a huge step; bounding the decoded step instead (1-bit Adam's ``bound_update``)
     also clips the many frequent coordinates whose decoded ``+-scale`` exceeds their own
-    denominator. Sent as ``m / denom`` every coordinate is on the scale of its own step, and
-    the clamp acts on each rank's value before compression, where error feedback carries what
-    is sent, not after it. On the large-batch workload (docs/benchmarks.md, "1-bit LAMB, large
+    denominator. Sent as ``m / denom`` every coordinate is on the scale of its own step. The
+    clamp bounds each rank's input (what it cuts off is dropped, not fed back), so the error
+    feedback works on what is sent and the decoded average is not clipped again; and it bounds
+    the momentum itself (the average times the denominator becomes ``exp_avg``), also where
+    nothing is compressed (``compress_momentum=False``, one process): a rare row's gradients
+    outgrow its frozen variance with or without compression (a new user's 60-step run without
+    the clamp, uncompressed: an embedding value of 573 against LAMB's 6.4). On the large-batch
+    workload (docs/benchmarks.md, "1-bit LAMB, large
     batch"; 3 seeds, 240 steps, lr 0.005) the final validation loss against LAMB's: ``m`` with
     the decoded step bounded at 1, +5.40%; ``m / denom`` clamped at 1, +2.61%; at 2, +0.89%;
     at 3, +0.69%; not clamped, +0.77% with the embedding's largest value 3.7 times LAMB's
@@ -109,8 +114,10 @@ class OverDenominator(Exchange):
     step on a coordinate's first gradient after a long quiet, at the default betas.
 
     Costs, in the compression stage: the fold is written to the unit's fold buffer (4 bytes
-    per value that the CPU kernel's fused fold otherwise saves) and read by five passes more
-    (divide, finiteness, clamp, decode, multiply). The bytes sent are the same."""
+    per value that the CPU kernel's fused fold otherwise saves) and read by six passes more
+    (divide, finiteness, clamp, the NaN fill, decode, multiply), the first four on the thread
+    that hands the unit over (inside backward under the DDP hook). The bytes sent are the
+    same."""
 
     BOUND = 3.0
     sent = "momentum/denominator"
