@@ -311,3 +311,17 @@ def test_errors_saved_when_lamb_sent_the_momentum_are_not_loaded_and_that_is_sai
     warned = [m for m in ranks[0][2] if "residuals of the momentum," in m]
     assert len(warned) == int(drop_sent)  # said once, by rank 0
     assert not [m for m in ranks[1][2] if "residuals of the momentum," in m]
+
+
+def test_auto_freezes_at_15_percent_of_the_run_at_the_latest():
+    """1-bit LAMB's ceiling (LambPolicy.auto_ceiling): after step 6 of 40, where OneBitAdam's
+    20% would be step 8; no check comes before (the first is at step 16)."""
+    model = _model()
+    opt = OneBitLamb(model.parameters(), lr=1e-2, freeze_step="auto", total_steps=40)
+    for step in range(8):
+        x, y = _grads(step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        assert opt.stage == ("compression" if step + 1 >= 6 else "warmup"), step
+    assert opt.switch_step == 6
