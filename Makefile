@@ -74,12 +74,16 @@ bench: $(STAMP)
 # freeze_step="auto"), fp16 and PowerSGD on a char-level GPT, a word-embedding model and
 # scikit-learn's digits, 3 seeds, 2 gloo ranks, and 1-bit with clipping, with bf16 parameters
 # and with bf16 errors; then 1-bit LAMB against LAMB and Adam at a global batch of 4,096
+# (about 15 minutes), and against LAMB at LAMB's better lr, 0.005, with its two ablations
 # (about 15 minutes); tables and plots in docs/benchmarks.md.
 fidelity: $(STAMP)
 	$(PY) -m pip install -q -e ".[dev,bench]"
 	$(PY) benchmarks/fidelity.py
 	$(PY) benchmarks/fidelity.py --workloads large_batch --plot docs/fidelity_lamb_loss_vs_bytes.png \
 		--variants lamb,onebit_lamb,adam_lr1e-3,adam_lr3e-3,adam_lr1e-2
+	$(PY) benchmarks/fidelity.py --workloads large_batch --lr 0.005 \
+		--plot docs/fidelity_lamb_lr005_loss_vs_bytes.png \
+		--variants lamb,onebit_lamb,onebit_lamb_exact,onebit_lamb_unbounded
 
 # 0/1 Adam against Adam and 1-bit Adam over 2,000 steps (about 35 minutes on 2 cores, estimated
 # from its runs' times): the same three workloads, 3 seeds, 2 gloo ranks; defaults, syncs every
