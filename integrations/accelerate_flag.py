@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from onebit_plugin import OneBitAdam, OneBitLamb, OneBitOptimizer, ZeroOneAdam
+from onebit_plugin import MEMBERS, OneBitLamb, OneBitOptimizer, ZeroOneAdam
 from onebit_plugin.config import EnvSettings
 from onebit_plugin.ddp_hook import OneBitHookState, register_onebit_hook
 from onebit_plugin.integrations.ddp_strategies import (
@@ -72,15 +72,11 @@ log = logging.getLogger("onebit_plugin")
 OneBitSettings = EnvSettings
 
 
-MEMBER_CLASSES = {"onebit_adam": OneBitAdam, "zero_one_adam": ZeroOneAdam,
-                  "onebit_lamb": OneBitLamb}
-
-
 def to_member(optimizer: torch.optim.Optimizer, settings: OneBitSettings) -> OneBitOptimizer:
     """The member ``settings.optimizer`` names (``ONEBIT_OPTIMIZER``: OneBitAdam by default,
     ZeroOneAdam or OneBitLamb) over ``optimizer``'s own param-group dicts (Adam or AdamW
     only)."""
-    member = MEMBER_CLASSES[settings.optimizer]
+    member = MEMBERS[settings.optimizer].load()
     if isinstance(optimizer, OneBitOptimizer):
         return optimizer
     if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):

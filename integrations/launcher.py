@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from onebit_plugin.config import MEMBERS
+from onebit_plugin.members import MEMBERS
 
 BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"
 
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
               "[--freeze-step N|auto] "
               "[--var-freeze-step N|auto] [--local-step-scaler N|auto] [--total-steps N] "
               "COMMAND [ARGS ...]")
-    parser.add_argument("--optimizer", choices=MEMBERS,
+    parser.add_argument("--optimizer", choices=list(MEMBERS),
                         help="the member that replaces Adam/AdamW: onebit_adam (default), "
                              "zero_one_adam (0/1 Adam) or onebit_lamb (1-bit LAMB); else "
                              "ONEBIT_OPTIMIZER")

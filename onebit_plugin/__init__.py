@@ -25,6 +25,7 @@ from onebit_plugin.deepspeed_config import from_deepspeed_config
 from onebit_plugin.deferred import fold_gradient_
 from onebit_plugin.lamb import LambPolicy, OneBitLamb
 from onebit_plugin.lockstep import LockstepError, check_lockstep
+from onebit_plugin.members import MEMBERS, Member
 from onebit_plugin.momentum import MomentumUnit
 from onebit_plugin.optimizer import OneBitAdam
 from onebit_plugin.policy import AdamPolicy, ExactMomentum, Exchange, OneBitMomentum, Policy
@@ -42,6 +43,8 @@ __all__ = [
     "Exchange",
     "LambPolicy",
     "LockstepError",
+    "MEMBERS",
+    "Member",
     "MomentumUnit",
     "OneBitAdam",
     "OneBitAllreduce",

@@ -1,13 +1,15 @@
 """``OneBitOptimizer``: what every member of the 1-bit family shares.
 
 An exact stage first: the member's own update (``Policy.warmup_update_``) on gradients averaged
-across ranks, by the DDP hook or here (``onebit_plugin.warmup``). When the member's policy says
-so (``Policy.stage_changes``: ``freeze_step``, or ``"auto"``) the variance is frozen and the
+across ranks, by the DDP hook or here. When the member's policy says so
+(``Policy.stage_changes``: ``freeze_step``, or ``"auto"``) the variance is frozen and the
 compression stage begins: each rank folds its *local* gradient into the momentum, the momentum
-units (``onebit_plugin.momentum``) are averaged by the policy's exchange (1-bit, or exact) and
-every rank applies the same update (``Policy.compression_update_``). ``V = sqrt(v_hat) + eps``
-is then a fixed linear preconditioner, which is what lets error feedback cancel the compression
-error (Tang et al., 2021, Theorem 1).
+units (``onebit_plugin.momentum``) are averaged by the policy's wire exchange (1-bit, or exact)
+and every rank applies the same update (``Policy.compression_update_``). ``V = sqrt(v_hat) +
+eps`` is then a fixed linear preconditioner, which is what lets error feedback cancel the
+compression error (Tang et al., 2021, Theorem 1). How each step's values cross ranks is the
+step's exchange's, which the policy chooses (``onebit_plugin.exchanges``); the step driver
+asks for it and calls it.
 
 Around that, shared by every member: the settings (``onebit_plugin.config``, checked once), the
 hand-off with the DDP hook (``onebit_plugin.handoff``), clipping (``onebit_plugin.clipping``),
@@ -17,7 +19,6 @@ rank checks (``onebit_plugin.rank_checks``) and checkpoints (``onebit_plugin.che
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -26,18 +27,12 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from onebit_plugin import checkpoint, compression_stage, local_steps, rank_checks
-from onebit_plugin.allreduce import ExactAllreduce, OneBitAllreduce, all_finite, new_group
-from onebit_plugin.allreduce import group_size_and_rank as _size_and_rank
+from onebit_plugin.allreduce import ExactAllreduce, OneBitAllreduce
 from onebit_plugin.byte_counts import ByteCounts
-from onebit_plugin.clipping import (
-    check_clip_args,
-    clip_coefficient,
-    compression_stage_norm,
-    say_late_clip,
-    value_clipping_error,
-)
+from onebit_plugin.clipping import check_clip_args, value_clipping_error
 from onebit_plugin.config import OneBitConfig
 from onebit_plugin.deferred import as_fp32
+from onebit_plugin.exchanges import StepExchange
 from onebit_plugin.freeze import AutoFreeze, current_roots
 from onebit_plugin.handoff import HandOff
 from onebit_plugin.local_steps import LocalSteps
@@ -48,11 +43,10 @@ from onebit_plugin.momentum import (
     new_state,
     partition,
 )
-from onebit_plugin.norm_sketch import NormSketch, sketch_width
-from onebit_plugin.policy import EXACT, LOCAL, MOMENTUM, SYNC, Policy
+from onebit_plugin.policy import Policy
 from onebit_plugin.run_length import RunLength
+from onebit_plugin.topology import FlatTopology
 from onebit_plugin.update import say_if_rounded_away
-from onebit_plugin.warmup import average_gradients, ring_bytes
 
 __all__ = ["COMPRESSION", "DEFAULT_UNIT_MB", "WARMUP", "OneBitOptimizer"]
 
@@ -78,7 +72,8 @@ class OneBitOptimizer(Optimizer):
     def __init__(self, params, defaults: dict, config: OneBitConfig, policy: Policy, *,
                  masks: dict | None = None, process_group: dist.ProcessGroup | None = None):
         super().__init__(params, defaults)
-        self.config, self.policy, self.process_group = config, policy, process_group
+        self.config, self.policy = config, policy
+        self.topology = FlatTopology(process_group)  # every collective's group
         self.auto_freeze = AutoFreeze(config.total_steps, policy.auto_ceiling) \
             if config.freeze_step == "auto" else None
         self._masks = {}
@@ -88,9 +83,9 @@ class OneBitOptimizer(Optimizer):
                     f"a mask has shape {tuple(m.shape)}, its parameter {tuple(p.shape)}"
                 )
             self._masks[p] = m.to(device=p.device, dtype=torch.bool)
-        rank_checks.reject_sharded(self._trainable())
-        say_if_rounded_away(self._trainable(), config.master_weights)
-        devices = {p.device for p in self._trainable()}
+        rank_checks.reject_sharded(self.trainable())
+        say_if_rounded_away(self.trainable(), config.master_weights)
+        devices = {p.device for p in self.trainable()}
         if len(devices) > 1:
             raise ValueError(
                 f"{type(self).__name__} needs all parameters on one device, got "
@@ -101,9 +96,7 @@ class OneBitOptimizer(Optimizer):
         self.switch_step: int | None = None
         self.skipped_steps = 0  # steps skipped on every rank for a non-finite gradient
         self._skip_streak = 0
-        self._said_late_clip = False
         self._unit_cap_bytes = int((config.bucket_cap_mb or DEFAULT_UNIT_MB) * 2**20)
-        self._comm_group, self._group_ready = process_group, False
         self.counts = ByteCounts()
         self._units: list[MomentumUnit] | None = None
         self._unit_of: dict[torch.Tensor, MomentumUnit] = {}
@@ -116,9 +109,8 @@ class OneBitOptimizer(Optimizer):
         self.syncs = 0  # syncs of local steps so far
         self._said_apart = False
         self._local_streak = 0
-        self._grad_flat: torch.Tensor | None = None
         self._settings_checked = False
-        self._hook_params: set | None = None  # what the DDP hook averages, once registered
+        self.hooked_params: set | None = None  # what the DDP hook averages, once registered
         # Set when the first step's gradients were already identical on every rank.
         self.averaged_elsewhere = False
         self.run_length.say_if_never(self.freeze_step, False, self._rank)
@@ -141,14 +133,14 @@ class OneBitOptimizer(Optimizer):
 
     @property
     def coming_exchange(self) -> str:
-        """What the coming step exchanges (``onebit_plugin.policy``): ``"exact"`` in warm-up,
-        else the policy's word for step ``global_step + 1``. The DDP hook follows it."""
-        return self._exchange_at(self.global_step + 1)
+        """What the coming step exchanges (``onebit_plugin.step_kinds``): ``"exact"`` in
+        warm-up, else the policy's word for step ``global_step + 1``."""
+        return self.exchange_for(self.global_step + 1).kind
 
-    def _exchange_at(self, t: int) -> str:
-        if self.switch_step is None:
-            return EXACT
-        return self.policy.exchange_at(t, self.run_length.total)
+    def exchange_for(self, t: int) -> StepExchange:
+        """The exchange of step ``t`` (``global_step`` once it is taken), as the policy chooses
+        it (``onebit_plugin.exchanges``): the DDP hook, clipping and ``step()`` call it."""
+        return self.policy.step_exchange(t, self.run_length.total, self.switch_step is not None)
 
     @property
     def freeze_step(self) -> int | str:
@@ -161,7 +153,12 @@ class OneBitOptimizer(Optimizer):
 
     @property
     def world_size(self) -> int:
-        return _size_and_rank(self.process_group)[0]
+        return self.topology.world_size
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The group the optimizer averages over (None: the world)."""
+        return self.topology.process_group
 
     @property
     def communicator(self) -> OneBitAllreduce | ExactAllreduce:
@@ -207,13 +204,10 @@ class OneBitOptimizer(Optimizer):
 
     @property
     def comm_group(self) -> dist.ProcessGroup | None:
-        """The group of all of the optimizer's collectives: with ``comm_timeout`` (and under the
-        DDP hook) one of its own, made on every rank at the first use, whose backend timeout is
-        ``comm_timeout``, so that a process can exit after a peer fails (docs/design.md)."""
-        if not self._group_ready and self.comm_timeout is not None and self.world_size > 1:
-            self._comm_group = new_group(self.process_group, self.comm_timeout, self._device())
-        self._group_ready = True
-        return self._comm_group
+        """The group of all of the optimizer's collectives, its topology's
+        (``onebit_plugin.topology``): with ``comm_timeout`` (and under the DDP hook) one of its
+        own, whose backend timeout is ``comm_timeout``."""
+        return self.topology.comm_group(self.comm_timeout, self._device())
 
     def use_ddp_hook(self, process_group: dist.ProcessGroup | None, overlap: bool,
                      bucket_bytes: int, comm_timeout: float | None = None) -> dist.ProcessGroup:
@@ -225,15 +219,13 @@ class OneBitOptimizer(Optimizer):
         if comm_timeout is not None:
             self.config = self.config.replace(comm_timeout=comm_timeout)
         self.config = self.config.replace(average_grads=False)
-        self._hook_params = set(self._trainable())
+        self.hooked_params = set(self.trainable())
         if self.config.bucket_cap_mb is None and self._units is None and overlap:
             self._unit_cap_bytes = int(bucket_bytes)
-        if not self._group_ready or self._comm_group is process_group or \
-                comm_timeout is not None:
-            self._comm_group = new_group(process_group, self.comm_timeout, self._device())
-            self._group_ready = True
+        group = self.topology.adopt(process_group, self.comm_timeout, self._device(),
+                                    again=comm_timeout is not None)
         self.counts.detach()  # resumed before the hook existed: the counts go on
-        return self._comm_group
+        return group
 
     @property
     def total_steps(self) -> int | None:
@@ -282,7 +274,7 @@ class OneBitOptimizer(Optimizer):
 
     @property
     def _rank(self) -> int:
-        return _size_and_rank(self.process_group)[1]
+        return self.topology.rank
 
     # ------------------------------------------------------------------------------- clipping
     @torch.no_grad()
@@ -303,40 +295,10 @@ class OneBitOptimizer(Optimizer):
 
         ``params``, when given, must be the optimizer's trainable parameters (a clip over a
         subset has no compression-stage counterpart)."""
-        trainable = self._trainable()
+        trainable = self.trainable()
         check_clip_args(max_norm, norm_type, params, trainable)
-        device = self._device()
-        handoff = self.handoff
-        coming = self.coming_exchange
-        if coming in (LOCAL, SYNC):
-            # Each rank holds only its own gradient, and a local step sends nothing: clipped
-            # by its own norm, as local SGD clips (docs/usage.md, "0/1 Adam").
-            return torch.nn.utils.clip_grad_norm_(trainable, max_norm, norm_type)
-        late = handoff.sketch is None and bool(handoff.averaged)  # folded, never sketched
-        self._start_sketching()
-        if coming == EXACT:
-            if self.config.average_grads and self.world_size > 1 and not handoff.grads_averaged:
-                self._average_gradients()
-                handoff.grads_averaged = True
-            if not any(p.grad is not None for p in trainable):
-                return torch.zeros((), device=device)
-            return torch.nn.utils.clip_grad_norm_(trainable, max_norm)
-        if late:  # the same on every rank: the hook ran, and nobody had clipped, everywhere
-            if not self._said_late_clip:
-                self._said_late_clip = True
-                say_late_clip()
-            return torch.full((), math.nan, device=device)
-        estimate, sent = compression_stage_norm(trainable, handoff, self.world_size,
-                                                self.comm_group, self.comm_timeout, device)
-        self.counts.clip_sent += sent
-        handoff.clip_coef = clip_coefficient(max_norm, float(estimate))
-        return estimate.reshape(())
-
-    def _start_sketching(self) -> None:
-        if self.handoff.sketch is None:  # from now on the hook sketches what it folds
-            trainable = self._trainable()
-            self.handoff.sketch = NormSketch(trainable,
-                                             sketch_width(sum(p.numel() for p in trainable)))
+        return self.exchange_for(self.global_step + 1).clip_grad_norm_(
+            self, trainable, max_norm, norm_type)
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Always a ``ValueError``: clamping the averaged gradient's coordinates has no
@@ -345,12 +307,12 @@ class OneBitOptimizer(Optimizer):
         The integrations raise it where a user asks for clipping by value."""
         raise value_clipping_error(clip_value)
 
-    def _trainable(self) -> list[torch.Tensor]:
+    def trainable(self) -> list[torch.Tensor]:
         # Fixed order, the same on every rank: the units are cut from it.
         return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
 
     def _device(self) -> torch.device:
-        trainable = self._trainable()
+        trainable = self.trainable()
         return trainable[0].device if trainable else torch.device("cpu")
 
     @torch._disable_dynamo
@@ -382,59 +344,18 @@ class OneBitOptimizer(Optimizer):
         return loss
 
     def _step(self) -> None:
-        trainable = self._trainable()
+        trainable = self.trainable()
         for p in trainable:
             if p.grad is not None and p.grad.is_sparse:
                 raise ValueError(f"{type(self).__name__} does not support sparse gradients")
-        rank_checks.check_trainable(self.param_groups, trainable, self._hook_params,
+        rank_checks.check_trainable(self.param_groups, trainable, self.hooked_params,
                                     set(self._unit_of) if self._units else None,
                                     self.switch_step)
         self.global_step += 1
         if not self._settings_checked:
             rank_checks.check_ranks_agree(self, trainable)
         self._settings_checked = True
-        if self.switch_step is not None:
-            kind = self._exchange_at(self.global_step)
-            if kind == MOMENTUM:
-                return compression_stage.momentum_step(self)
-            if kind != EXACT:
-                return local_steps.take_step(self, sync=kind == SYNC)
-        self._exact_gradients(trainable)
-        if self.switch_step is not None:
-            return compression_stage.refresh_step(self)
-        self._warmup_step()
-        if self.policy.stage_changes(self.global_step - self.skipped_steps,  # applied steps
-                                     self._freeze_due):
-            self._freeze()
-
-    def _exact_gradients(self, trainable: list[torch.Tensor]) -> None:
-        """The gradients averaged across ranks in full precision, here or by the DDP hook."""
-        if self.config.average_grads and self.world_size > 1 and \
-                not self.handoff.grads_averaged:
-            self._average_gradients()
-        if self._hook_params is not None:
-            rank_checks.check_reduced(self.param_groups, trainable, self.handoff.reduced)
-
-    def _average_gradients(self) -> None:
-        params = self._trainable()
-        self._grad_flat, sent = average_gradients(params, self._grad_flat, self.comm_group,
-                                                  self.comm_timeout, self.world_size)
-        self.counts.add_exact(sent, ring_bytes(4 * sum(p.numel() for p in params),
-                                               self.world_size))
-
-    def _warmup_step(self) -> None:
-        stepped = [p for p in self._trainable() if p.grad is not None]
-        # After averaging every rank holds the same gradients, hence the same decision.
-        if not all_finite([p.grad for p in stepped]):
-            return self._skip()
-        self._skip_streak = 0
-        self._init_states([p for p in stepped if not self.state[p]])
-        for g in self.param_groups:
-            params = [p for p in g["params"] if p.requires_grad and p.grad is not None]
-            if params:
-                states = [self.state[p] or self._init_state(p) for p in params]
-                self.policy.warmup_update_(g, params, states, [
-                    self._master(p, s) for p, s in zip(params, states, strict=True)])
+        self.exchange_for(self.global_step).step(self)
 
     def _skip(self) -> None:
         """A step skipped on every rank (some rank's gradient was not finite): said each time,
@@ -465,7 +386,7 @@ class OneBitOptimizer(Optimizer):
 
     def _init_states(self, params: list[torch.Tensor]) -> None:
         init_states_in_unit_order(self.state, params,
-                                  partition(self._trainable(), self._unit_cap_bytes))
+                                  partition(self.trainable(), self._unit_cap_bytes))
 
     # ---------------------------------------------------------------------- the stage change
     def _freeze_due(self, applied: int) -> bool:
@@ -478,7 +399,7 @@ class OneBitOptimizer(Optimizer):
 
     def _freeze(self) -> None:
         """The end of the exact stage: fix the variance (the units are built at first use)."""
-        for p in self._trainable():
+        for p in self.trainable():
             state = self.state[p] or self._init_state(p)  # no gradient yet: v == 0, all masked
             # v's bias correction 1 - b2**0 would be 0 (0/0 = NaN) where v never moved.
             # A Python number, not a tensor: Lightning moves every optimizer state tensor but
@@ -543,7 +464,6 @@ class OneBitOptimizer(Optimizer):
         self._settings_checked = False
 
     def __getstate__(self) -> dict:
-        # torch's Optimizer pickles only defaults, state and param_groups; keep ours too, less
-        # the process groups (an unpickled optimizer runs on the default group).
-        return {**self.__dict__, "process_group": None, "_comm_group": None,
-                "_group_ready": False}
+        # torch's Optimizer pickles only defaults, state and param_groups; keep ours too (the
+        # topology drops its process groups: an unpickled optimizer runs on the default group).
+        return dict(self.__dict__)

@@ -10,9 +10,6 @@ import logging
 
 import torch
 
-from onebit_plugin import local_steps
-from onebit_plugin.allreduce import group_size_and_rank
-
 __all__ = ["load_onebit_state", "load_state", "load_unit_errors", "onebit_state"]
 
 log = logging.getLogger("onebit_plugin")
@@ -28,10 +25,10 @@ def onebit_state(opt) -> dict:
                             else None),
             "switch_step": opt.switch_step, "skipped_steps": opt.skipped_steps,
             "world_size": opt.world_size,
-            "rank": group_size_and_rank(opt.process_group)[1],
+            "rank": opt.topology.rank,
             "unit_cap_bytes": opt._unit_cap_bytes, **opt.counts.state_dict(),
             "clipping": opt.handoff.sketch is not None, "units": units,
-            "local_steps": local_steps.saved_state(opt), "syncs": opt.syncs,
+            "local_steps": opt.policy.rank_state(opt), "syncs": opt.syncs,
             "variance_clock": "steps", "sent": opt.policy.exchange.sent}
 
 
@@ -75,7 +72,7 @@ def load_onebit_state(opt, onebit: dict) -> None:
     if "units" not in onebit:
         raise ValueError("this OneBitAdam state was saved by an older onebit-plugin "
                          "(no momentum units); resume it with that version")
-    _refuse_refresh_counts(opt, onebit, [opt.state[p] for p in opt._trainable()])
+    _refuse_refresh_counts(opt, onebit, [opt.state[p] for p in opt.trainable()])
     saved_world = onebit["world_size"]
     if onebit["switch_step"] is not None and saved_world != opt.world_size:
         onebit = _restart_error_feedback(opt, onebit, saved_world)
@@ -89,12 +86,12 @@ def load_onebit_state(opt, onebit: dict) -> None:
     opt.switch_step = onebit["switch_step"]
     auto = onebit.get("auto_freeze")
     if opt.auto_freeze is not None and auto is not None:  # resumed mid warm-up
-        opt.auto_freeze.load_state_dict(auto, [p.device for p in opt._trainable()])
+        opt.auto_freeze.load_state_dict(auto, [p.device for p in opt.trainable()])
     opt.skipped_steps = int(onebit["skipped_steps"])
     opt.syncs = int(onebit.get("syncs", 0))  # absent before 0/1 Adam
     opt.counts.load_state_dict(onebit)
     if onebit.get("clipping"):  # so that the hook sketches the first resumed step too
-        opt._start_sketching()
+        opt.handoff.start_sketching(opt.trainable())
     opt._saved = {}
     if onebit["units"] is not None:
         # Whose errors they are is checked when the units take them (load_unit_errors): the
@@ -103,7 +100,7 @@ def load_onebit_state(opt, onebit: dict) -> None:
                           rank=onebit.get("rank"),  # absent in states saved before this field
                           sent=onebit.get("sent", "momentum"))  # absent: the momentum
     opt._forget_layout()
-    local_steps.load_saved_state(opt, onebit.get("local_steps"))
+    opt.policy.load_rank_state(opt, onebit.get("local_steps"))
 
 
 def _refuse_refresh_counts(opt, onebit: dict, states) -> None:
@@ -138,7 +135,7 @@ def _restart_error_feedback(opt, onebit: dict, saved_world: int) -> dict:
             "which do not map onto another number of ranks; resume with the same world size, "
             "or from a checkpoint written at a sync (call sync_local_steps() before saving)"
         )
-    if group_size_and_rank(opt.process_group)[1] == 0:
+    if opt.topology.rank == 0:
         log.warning(
             "onebit: resuming a compressed stage (compressing since after step %s) saved by "
             "%d ranks on %d: error buffers are per rank and do not map onto another world "
@@ -154,7 +151,7 @@ def load_unit_errors(opt, saved: list[dict]) -> None:
     if len(saved) != len(opt._units):
         raise ValueError(f"the checkpoint holds {len(saved)} momentum units, this "
                          f"optimizer has {len(opt._units)}")
-    rank = group_size_and_rank(opt.process_group)[1]
+    rank = opt.topology.rank
     saved_by = opt._saved.pop("rank", None)
     sent = opt._saved.pop("sent", "momentum")
     errors = any(set(state) - {"numel"} for state in saved)  # none when exact

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from onebit_plugin.allreduce import wait_collectives
+from onebit_plugin.byte_counts import ring_bytes
 from onebit_plugin.handoff import HandOff
 from onebit_plugin.norm_sketch import squared_norm
-from onebit_plugin.warmup import ring_bytes
 
 log = logging.getLogger("onebit_plugin")
 

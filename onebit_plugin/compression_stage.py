@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from onebit_plugin import checkpoint, local_steps
+from onebit_plugin import checkpoint
 from onebit_plugin.allreduce import all_finite
 from onebit_plugin.momentum import build_units as build
 from onebit_plugin.momentum import partition, refresh_denominators
@@ -32,9 +32,9 @@ def build_units(opt) -> None:
         opt._unit_cap_bytes = opt._saved.pop("unit_cap_bytes")
     # Warm-up's gradient buffer (without DDP) is resident and no longer used: the units'
     # fold buffers are cut from it rather than from new memory (MomentumUnit's note).
-    spare, opt._grad_flat = opt._grad_flat, None
+    spare = opt.policy.warmup.release_buffer()
     opt._units = build(
-        partition(opt._trainable(), opt._unit_cap_bytes), opt.state,
+        partition(opt.trainable(), opt._unit_cap_bytes), opt.state,
         {p: g for g in opt.param_groups for p in g["params"]}, opt._masks,
         opt.config.mask_zero_variance, opt.communicator, spare, opt.policy.keeps_variance,
         opt.policy.exchange.send_bound)
@@ -42,7 +42,7 @@ def build_units(opt) -> None:
     _say_if_compact_errors_save_nothing(opt)
     # The step counters become views of one tensor: one add and one read a step for all of
     # them (a foreach add, a stack and a read of some 100 scalar tensors cost ~0.7 ms).
-    trainable = opt._trainable()
+    trainable = opt.trainable()
     opt._steps = torch.tensor([float(opt.state[p]["step"]) for p in trainable],
                               dtype=torch.float32)
     for p, count in zip(trainable, opt._steps.unbind(), strict=True):
@@ -51,10 +51,7 @@ def build_units(opt) -> None:
     opt._rows = None
     if saved is not None:
         checkpoint.load_unit_errors(opt, saved)
-    local = opt._saved.pop("local_steps", None)
-    if local is not None:
-        opt.local_steps = local_steps.LocalSteps(opt._units, opt._fp32_of, opt.param_groups)
-        opt.local_steps.load_state_dict(local, opt._units)
+    opt.policy.units_built(opt)
 
 
 def _say_if_compact_errors_save_nothing(opt) -> None:
@@ -102,7 +99,7 @@ def refresh_step(opt) -> None:
     """A full-precision step of the compression stage (a member's variance refresh, on
     gradients averaged exactly): momenta and variances from the averaged gradients, the units'
     denominators and masks from the variances, then the frozen-variance update."""
-    trainable = opt._trainable()
+    trainable = opt.trainable()
     if not all_finite([p.grad for p in trainable if p.grad is not None]):
         return opt._skip()  # averaged: the same decision on every rank
     opt._skip_streak = 0
@@ -126,14 +123,15 @@ def count_step(opt) -> list[float]:
     return opt._steps.tolist()
 
 
-def frozen_update(opt, counts: list[float], *, averaged: bool, local: bool = False) -> None:
+def frozen_update(opt, counts: list[float], *, averaged: bool,
+                  local_bound: float | None = None) -> None:
     """The policy's compression-stage update of every group over the units' denominators,
-    from the units' averages (``averaged``) or from the momenta as they are; ``local``: a
-    local step's, on this rank's own momentum (its bound, ``local_steps.local_bound``). An
+    from the units' averages (``averaged``) or from the momenta as they are; ``local_bound``:
+    a local step's bound, on this rank's own momentum (``local_steps.local_bound``). An
     exchange that bounds what it sends (``policy.OverDenominator``) leaves no bound here."""
     bound = None
     if opt.config.bound_update and opt.policy.exchange.send_bound is None:
-        bound = local_steps.local_bound(opt.world_size) if local else 1.0
+        bound = 1.0 if local_bound is None else local_bound
     for group, params, index, units, exp_avgs, denoms in update_rows(opt)[0]:
         opt.policy.compression_update_(
             group, params, exp_avgs, denoms, [counts[i] for i in index],
@@ -151,7 +149,7 @@ def update_rows(opt) -> tuple[list, torch.Tensor | None]:
     stage's first step since the freeze or a resume, whatever the step exchanges (a 0/1 Adam
     refresh may come first: var_update_scaler=1, or a phase-A checkpoint before a refresh)."""
     opt.units  # noqa: B018 - built on first use
-    trainable = tuple(map(id, opt._trainable()))
+    trainable = tuple(map(id, opt.trainable()))
     if opt._rows is None or opt._rows[0] != trainable:
         opt._rows = (trainable, *rows_of(opt.param_groups, opt._unit_of, opt._step_index,
                                          opt._steps.numel()))

@@ -16,7 +16,10 @@ import difflib
 import os
 from dataclasses import dataclass
 
-__all__ = ["MEMBERS", "EnvSettings", "OneBitConfig", "check_hparams", "check_settings", "flag",
+from onebit_plugin.members import member_named
+from onebit_plugin.schedule import exact_steps
+
+__all__ = ["EnvSettings", "OneBitConfig", "check_hparams", "check_settings", "flag",
            "settings_from_env"]
 
 SCALE_RULES = ("rms", "mean")
@@ -154,8 +157,6 @@ VARIABLES = ("ONEBIT_ADAM", "ONEBIT_OPTIMIZER", "ONEBIT_FREEZE_STEP", "ONEBIT_VA
              "ONEBIT_LOCAL_STEP_SCALER", "ONEBIT_TOTAL_STEPS", "ONEBIT_MAX_BLOCK",
              "ONEBIT_SCALE", "ONEBIT_OVERLAP", "ONEBIT_TIMEOUT", "ONEBIT_BOUND_UPDATE",
              "ONEBIT_MASTER_WEIGHTS", "ONEBIT_ERROR_DTYPE", "ONEBIT_CPU_KERNEL")
-# ONEBIT_OPTIMIZER: the member that replaces Adam/AdamW (1-bit Adam, or 0/1 Adam).
-MEMBERS = ("onebit_adam", "zero_one_adam", "onebit_lamb")
 # The variable of each config field it sets: a ValueError about the field names the variable.
 _FIELD_VARIABLES = {"freeze_step": "ONEBIT_FREEZE_STEP", "total_steps": "ONEBIT_TOTAL_STEPS",
                     "max_block": "ONEBIT_MAX_BLOCK", "scale": "ONEBIT_SCALE",
@@ -200,8 +201,9 @@ def _env_seconds(name: str) -> float | None:
 @dataclass(frozen=True)
 class EnvSettings:
     """What the ``ONEBIT_*`` variables say (``settings_from_env``): the member that replaces
-    Adam (``optimizer``, one of :data:`MEMBERS`), its settings (:attr:`config`, and 0/1 Adam's
-    schedule) and the DDP hook's ``overlap``. Checked when made, by ``OneBitConfig``."""
+    Adam (``optimizer``, a name of ``onebit_plugin.members.MEMBERS``), its settings
+    (:attr:`config`, and 0/1 Adam's schedule) and the DDP hook's ``overlap``. Checked when
+    made, by ``OneBitConfig``."""
 
     freeze_step: int | str
     total_steps: int | None = None
@@ -252,12 +254,8 @@ def settings_from_env() -> EnvSettings | None:
             k, VARIABLES, n=1)) else k for k in unknown]
         raise ValueError(f"unknown setting(s) {', '.join(meant)}: the ONEBIT_ variables "
                          f"are {', '.join(VARIABLES)}")
-    given = os.environ.get("ONEBIT_OPTIMIZER", "").strip()
-    member = given.lower() or "onebit_adam"
-    if member not in MEMBERS:
-        near = difflib.get_close_matches(member, MEMBERS, n=1)
-        raise ValueError(f"ONEBIT_OPTIMIZER must be one of {', '.join(MEMBERS)}, got {given!r}"
-                         + (f" (did you mean {near[0]}?)" if near else ""))
+    # ONEBIT_OPTIMIZER: the member that replaces Adam/AdamW (onebit_plugin.members).
+    member = member_named(os.environ.get("ONEBIT_OPTIMIZER", "").strip() or "onebit_adam").name
     freeze = os.environ.get("ONEBIT_FREEZE_STEP", "").strip()
     schedule = {}
     if member == "zero_one_adam":
@@ -268,8 +266,6 @@ def settings_from_env() -> EnvSettings | None:
                 "step, default auto) and ONEBIT_LOCAL_STEP_SCALER set 0/1 Adam's schedule")
         schedule = dict(var_freeze_step=_env_steps("ONEBIT_VAR_FREEZE_STEP"),
                         local_step_scaler=_env_steps("ONEBIT_LOCAL_STEP_SCALER"))
-        from onebit_plugin.schedule import exact_steps  # config is below the schedule
-
         # The family's config holds the member's exact stage.
         freeze = str(exact_steps(schedule["var_freeze_step"], 16))
     if member != "zero_one_adam" and \

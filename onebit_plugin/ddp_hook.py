@@ -44,7 +44,6 @@ from torch.nn.parallel import DistributedDataParallel
 from onebit_plugin.allreduce import comm_executor
 from onebit_plugin.base import OneBitOptimizer
 from onebit_plugin.momentum import MomentumUnit
-from onebit_plugin.policy import EXACT, LOCAL, SYNC
 
 __all__ = ["OneBitHookState", "onebit_hook", "register_onebit_hook"]
 
@@ -147,6 +146,76 @@ class OneBitHookState:
             self.submitted = True
         return pending
 
+    def average_units(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        """The compression stage's bucket: its local gradients folded into the momentum
+        units, each unit averaged once all of its gradients are in (module docstring)."""
+        opt = self.optimizer
+        handoff = opt.handoff  # what this backward leaves for step()
+        buffer = bucket.buffer()
+        if not self.overlap:
+            if self.bucket_views:  # p.grad itself: step() can tell whether it changed
+                for p, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+                    handoff.hand_over(p, grad)
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(buffer)  # local gradients: OneBitAdam.step() folds and averages them
+            return done
+        started = time.perf_counter()
+        # A parameter DDP still reduces but that was frozen when the variance froze is in no unit:
+        # nothing of it is averaged (OneBitAdam.step() refuses it should it be trainable again).
+        parts = [(p, grad, unit) for p, grad in zip(bucket.parameters(), bucket.gradients(),
+                                                     strict=True)
+                 if (unit := opt.unit_of(p)) is not None]
+        last = bucket.is_last()
+        deferred = self.deferred  # this iteration's set (the last bucket starts the next one's)
+        waits = []
+        for p, grad, unit in parts:
+            if unit not in self.to_defer:  # else step() folds it
+                # For clip_grad_norm_: p.grad will hold the average.
+                handoff.note_local_gradient(p, grad)
+            pending = self.arrived(unit, p, grad, last)
+            if all(pending is not w for w in waits):
+                waits.append(pending)
+
+        # The copy back into the bucket is issued on the stream backward produced the bucket on,
+        # which DDP reads it on next: the callback itself may run on any thread and stream (a
+        # future with devices runs its callbacks on a pool stream). The averaged momentum is
+        # complete by then (its side stream was synchronized before the future was set).
+        stream = torch.cuda.current_stream(buffer.device) if buffer.is_cuda else None
+
+        def finish(fut: torch.futures.Future) -> torch.Tensor:
+            for each in fut.value():
+                each.value()  # re-raises a failed allreduce here, where DDP waits
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for p, grad, unit in parts:
+                    if unit not in deferred:  # DDP hands the bucket's views to step()
+                        unit.average_into(p, grad)
+            # After the copies above, which count as writes to the bucket's every view.
+            if self.bucket_views:
+                for p, grad, _ in parts:
+                    handoff.hand_over(p, grad)
+            if self.record_timeline:
+                self.timeline.append((bucket.index(), started, time.perf_counter()))
+            return buffer
+
+        if bucket.is_last():
+            # DDP issues its own collectives on its group right after the last bucket's hook
+            # returns (the used-parameter map with find_unused_parameters, then the next
+            # forward's buffer broadcast). Two NCCL communicators driven from two threads on one
+            # GPU may hang, and their order must match on every rank: so every unit's average is
+            # finished first. Backward is over by then and DDP waits on these futures next, so
+            # nothing overlaps less. Only the hook sends on that thread between steps (step()
+            # waits for what it starts): when no unit went there in this iteration (all left to
+            # step(), as for a model of one bucket) there is nothing to wait for, and the
+            # hand-off to the thread and back, which on an oversubscribed CPU can wait for a
+            # time slice, is skipped.
+            if self.submitted:
+                comm_executor(self.comm_group).submit(lambda: None).result()
+            self.submitted = False
+            if self.bucket_views:  # the units completed with the last bucket
+                self.to_defer = {unit for _, _, unit in parts}
+                self.deferred = set()
+        return torch.futures.collect_all(waits).then(finish)
+
     def __getstate__(self):
         state = {slot: getattr(self, slot) for slot in self.__slots__}
         state.update(process_group=None, comm_group=None, remaining={}, pending={}, grads={},
@@ -162,87 +231,13 @@ def onebit_hook(
     state: OneBitHookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """The comm hook (``ddp_model.register_comm_hook(state, onebit_hook)``); see the module
-    docstring. Use :func:`register_onebit_hook`, which also configures the optimizer."""
+    docstring. Use :func:`register_onebit_hook`, which also configures the optimizer. What the
+    bucket's gradients become is the coming step's exchange's to say
+    (``onebit_plugin.exchanges``): averaged exactly as DDP would (warm-up, a variance refresh),
+    folded into the momentum units (:meth:`OneBitHookState.average_units`), or passed through
+    (a local step)."""
     opt = state.optimizer
-    handoff = opt.handoff  # what this backward leaves for step()
-    buffer = bucket.buffer()
-    coming = opt.coming_exchange
-    if coming == EXACT:  # warm-up, or a variance refresh
-        handoff.note_reduced(bucket.parameters())  # step() refuses gradients no bucket averaged
-        # DDP's default reduction, bits included: multiply by 1/W, then sum. Its reducer
-        # multiplies each gradient by double(1) / W as it copies it into the bucket; dividing
-        # by W instead rounds differently for a W that is not a power of two (at 3 ranks about
-        # 40% of the values differed, by up to 3.7e-9).
-        buffer.mul_(1.0 / state.world_size)
-        opt.count_uncompressed(buffer.nbytes)
-        work = dist.all_reduce(buffer, group=state.comm_group, async_op=True)
-        return work.get_future().then(lambda fut: fut.value()[0])
-    if coming in (LOCAL, SYNC):  # a local step: nothing is sent, step() syncs when due
-        local: torch.futures.Future = torch.futures.Future()
-        local.set_result(buffer)
-        return local
-    if not state.overlap:
-        if state.bucket_views:  # p.grad itself: step() can tell whether it changed
-            for p, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
-                handoff.hand_over(p, grad)
-        done: torch.futures.Future = torch.futures.Future()
-        done.set_result(buffer)  # local gradients: OneBitAdam.step() folds and averages them
-        return done
-    started = time.perf_counter()
-    # A parameter DDP still reduces but that was frozen when the variance froze is in no unit:
-    # nothing of it is averaged (OneBitAdam.step() refuses it should it be trainable again).
-    parts = [(p, grad, unit) for p, grad in zip(bucket.parameters(), bucket.gradients(),
-                                                 strict=True)
-             if (unit := opt.unit_of(p)) is not None]
-    last = bucket.is_last()
-    deferred = state.deferred  # this iteration's set (the last bucket starts the next one's)
-    waits = []
-    for p, grad, unit in parts:
-        if unit not in state.to_defer:  # else step() folds it
-            # For clip_grad_norm_: p.grad will hold the average.
-            handoff.note_local_gradient(p, grad)
-        pending = state.arrived(unit, p, grad, last)
-        if all(pending is not w for w in waits):
-            waits.append(pending)
-
-    # The copy back into the bucket is issued on the stream backward produced the bucket on,
-    # which DDP reads it on next: the callback itself may run on any thread and stream (a
-    # future with devices runs its callbacks on a pool stream). The averaged momentum is
-    # complete by then (its side stream was synchronized before the future was set).
-    stream = torch.cuda.current_stream(buffer.device) if buffer.is_cuda else None
-
-    def finish(fut: torch.futures.Future) -> torch.Tensor:
-        for each in fut.value():
-            each.value()  # re-raises a failed allreduce here, where DDP waits
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for p, grad, unit in parts:
-                if unit not in deferred:  # DDP hands the bucket's views to step()
-                    unit.average_into(p, grad)
-        # After the copies above, which count as writes to the bucket's every view.
-        if state.bucket_views:
-            for p, grad, _ in parts:
-                handoff.hand_over(p, grad)
-        if state.record_timeline:
-            state.timeline.append((bucket.index(), started, time.perf_counter()))
-        return buffer
-
-    if bucket.is_last():
-        # DDP issues its own collectives on its group right after the last bucket's hook
-        # returns (the used-parameter map with find_unused_parameters, then the next forward's
-        # buffer broadcast). Two NCCL communicators driven from two threads on one GPU may hang,
-        # and their order must match on every rank: so every unit's average is finished first.
-        # Backward is over by then and DDP waits on these futures next, so nothing overlaps less.
-        # Only the hook sends on that thread between steps (step() waits for what it starts):
-        # when no unit went there in this iteration (all left to step(), as for a model of one
-        # bucket) there is nothing to wait for, and the hand-off to the thread and back, which
-        # on an oversubscribed CPU can wait for a time slice, is skipped.
-        if state.submitted:
-            comm_executor(state.comm_group).submit(lambda: None).result()
-        state.submitted = False
-        if state.bucket_views:  # the units completed with the last bucket
-            state.to_defer = {unit for _, _, unit in parts}
-            state.deferred = set()
-    return torch.futures.collect_all(waits).then(finish)
+    return opt.exchange_for(opt.global_step + 1).in_backward(opt, state, bucket)
 
 
 def register_onebit_hook(

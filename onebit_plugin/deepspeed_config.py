@@ -18,25 +18,12 @@ import json
 import logging
 from pathlib import Path
 
-__all__ = ["DEEPSPEED_TYPES", "from_deepspeed_config"]
+from onebit_plugin.members import MEMBERS, member_of_deepspeed_type
+
+__all__ = ["from_deepspeed_config"]
 
 log = logging.getLogger("onebit_plugin")
 
-_COMMON = ("lr", "betas", "eps", "weight_decay")
-# DeepSpeed's type name (lowercased, as its engine compares it): our class and its parameters.
-DEEPSPEED_TYPES = {
-    "onebitadam": ("OneBitAdam", _COMMON + ("freeze_step",)),
-    "zerooneadam": ("ZeroOneAdam", _COMMON + ("var_freeze_step", "var_update_scaler",
-                                              "local_step_scaler", "local_step_clipper")),
-    "onebitlamb": ("OneBitLamb", _COMMON + ("freeze_step", "max_coeff", "min_coeff",
-                                            "coeff_beta", "factor_max", "factor_min",
-                                            "factor_threshold")),
-}
-# What a config without the key meant to DeepSpeed (its constructors' defaults), and what
-# DeepSpeed's weight decay was: added to the update, as AdamW's (decoupled).
-_DEFAULTS = {"onebitadam": {"freeze_step": 100000, "decoupled_weight_decay": True},
-             "zerooneadam": {"var_freeze_step": 100000, "local_step_scaler": 32678},
-             "onebitlamb": {"freeze_step": 100000}}
 # DeepSpeed's values of two unused keys: another value would look active, so it is a warning.
 _UNUSED_DEFAULTS = {"eps_inside_sqrt": False, "max_grad_norm": 0.0}
 # Taken by DeepSpeed's optimizers and unused by them, or about its transport: accepted, said.
@@ -111,8 +98,6 @@ def from_deepspeed_config(params, config, **options):
     """The optimizer a DeepSpeed config's ``"optimizer"`` section describes (module
     docstring), over ``params``; ``options``: the family's own options beside it
     (``total_steps``, ``process_group``, ``master_weights``, ...)."""
-    import onebit_plugin
-
     config = _load(config)
     section = config.get("optimizer", config) if "type" not in config else config
     if not isinstance(section, dict) or "type" not in section:
@@ -133,10 +118,11 @@ def from_deepspeed_config(params, config, **options):
         raise ValueError(f"the optimizer section has unknown key(s) {sorted(unknown_top)}: it "
                          "holds \"type\" and \"params\"")
     kind = str(section["type"])
-    if kind.lower() not in DEEPSPEED_TYPES:
+    member = member_of_deepspeed_type(kind)  # the types and their keys: onebit_plugin.members
+    if member is None:
         raise ValueError(f"optimizer type {kind!r} is not one of DeepSpeed's 1-bit optimizers "
-                         f"({', '.join(('OneBitAdam', 'ZeroOneAdam', 'OneBitLamb'))})")
-    name, accepted = DEEPSPEED_TYPES[kind.lower()]
+                         f"({', '.join(m.class_name for m in MEMBERS.values())})")
+    name, accepted = member.class_name, member.deepspeed_params
     if not isinstance(section.get("params", {}), dict):
         raise ValueError(f"{kind}: \"params\" must be an object of parameter names, got "
                          f"{section['params']!r}")
@@ -171,7 +157,7 @@ def from_deepspeed_config(params, config, **options):
     params, masks = _masks_of_groups(list(params))
     if masks:
         options = {**options, "masks": {**options.get("masks", {}), **masks}}
-    for key, value in _DEFAULTS[kind.lower()].items():
+    for key, value in member.deepspeed_defaults.items():
         if key not in given and key not in options:
             given[key] = value
-    return getattr(onebit_plugin, name)(params, **given, **options)
+    return member.load()(params, **given, **options)

@@ -13,6 +13,8 @@ import logging
 
 import torch
 
+from onebit_plugin.norm_sketch import NormSketch, sketch_width
+
 __all__ = ["HandOff"]
 
 log = logging.getLogger("onebit_plugin")
@@ -51,6 +53,12 @@ class HandOff:
         self.sketches: dict = {}
         self.clip_coef: float | None = None
         self.grads_averaged = False
+
+    def start_sketching(self, trainable: list[torch.Tensor]) -> None:
+        """Clipping was asked for: from now on the hook sketches the local gradients it folds
+        (``trainable``: the optimizer's trainable parameters)."""
+        if self.sketch is None:
+            self.sketch = NormSketch(trainable, sketch_width(sum(p.numel() for p in trainable)))
 
     # -------------------------------------------------------------------------- the hook's side
     def note_reduced(self, params) -> None:

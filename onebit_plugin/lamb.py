@@ -189,4 +189,4 @@ class OneBitLamb(OneBitOptimizer):
         (DeepSpeed's ``get_lamb_coeffs``): LAMB's own in warm-up, the frozen average times the
         factor in the compression stage (``state[p]["lamb_coeff"]`` holds the average); 1.0
         for a parameter not stepped yet."""
-        return [float(self.state[p].get("last_ratio", 1.0)) for p in self._trainable()]
+        return [float(self.state[p].get("last_ratio", 1.0)) for p in self.trainable()]

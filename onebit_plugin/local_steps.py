@@ -41,11 +41,14 @@ import torch
 
 from onebit_plugin import compression_stage
 from onebit_plugin.allreduce import all_finite
+from onebit_plugin.byte_counts import ring_bytes
 from onebit_plugin.deferred import fold_gradient_
-from onebit_plugin.warmup import ring_bytes
+from onebit_plugin.exchanges import StepExchange
+from onebit_plugin.step_kinds import LOCAL, SYNC
 
-__all__ = ["LocalSteps", "corrections", "freeze_variances", "load_saved_state", "local_bound",
-           "saved_state", "sync_ranks", "take_step"]
+__all__ = ["LocalStep", "LocalSteps", "SyncStep", "corrections", "freeze_variances",
+           "load_saved_state", "local_bound", "restore", "saved_state", "sync_ranks",
+           "take_step"]
 
 log = logging.getLogger("onebit_plugin")
 
@@ -170,9 +173,36 @@ class LocalSteps:
         self.steps = int(state["steps"])
 
 
+class LocalStep(StepExchange):
+    """A local step: nothing is sent, in backward or in ``step()``; each rank clips its own
+    gradient by its own norm, as local SGD clips (docs/usage.md, "0/1 Adam")."""
+
+    kind = LOCAL
+    sync = False
+
+    def in_backward(self, opt, hook, bucket) -> torch.futures.Future:
+        local: torch.futures.Future = torch.futures.Future()
+        local.set_result(bucket.buffer())
+        return local
+
+    def clip_grad_norm_(self, opt, trainable, max_norm, norm_type) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(trainable, max_norm, norm_type)
+
+    def step(self, opt) -> None:
+        take_step(opt, sync=self.sync)
+
+
+class SyncStep(LocalStep):
+    """A local step, then the sync: the average of every rank's update since the last sync
+    through the policy's communicator, after which every rank holds the same point."""
+
+    kind = SYNC
+    sync = True
+
+
 # ---------------------------------------------------------------------------------------------
 # The base's local steps: friend functions on OneBitOptimizer's privates (as checkpoint.py's),
-# which step() calls when the policy says "local" or "sync".
+# which the exchanges above call.
 def take_step(opt, sync: bool) -> None:
     """A step on this rank's own gradients, sending nothing; with ``sync``, then the average
     of every rank's update since the last sync, after which every rank holds the same
@@ -181,13 +211,14 @@ def take_step(opt, sync: bool) -> None:
     if opt.local_steps is None:  # the first local step: the ranks are on one point now
         freeze_variances(opt)
         opt.local_steps = LocalSteps(units, opt._fp32_of, opt.param_groups)
-    trainable = opt._trainable()
+    trainable = opt.trainable()
     grads = {p: p.grad for p in trainable}
     counts = compression_stage.count_step(opt)  # every rank counts it: the counts agree
     if all_finite([g for g in grads.values() if g is not None]):
         opt._local_streak = 0
         LocalSteps.fold_(units, grads)
-        compression_stage.frozen_update(opt, counts, averaged=False, local=True)
+        compression_stage.frozen_update(opt, counts, averaged=False,
+                                        local_bound=local_bound(opt.world_size))
     else:
         _skip_locally(opt)
     opt.local_steps.advance(opt.param_groups)
@@ -263,10 +294,19 @@ def saved_state(opt) -> dict | None:
     local = opt.local_steps
     if local is None or local.steps == 0:
         return None
-    trainable = opt._trainable()
+    trainable = opt.trainable()
     return {**local.state_dict(opt.units),
             "params": [opt._fp32_of(p).detach().clone() for p in trainable],
             "momenta": [opt.state[p]["exp_avg"].clone() for p in trainable]}
+
+
+def restore(opt) -> None:
+    """The units were just built: a checkpoint's local-step state, if it left one, onto them
+    (``ZeroOnePolicy.units_built``)."""
+    local = opt._saved.pop("local_steps", None)
+    if local is not None:
+        opt.local_steps = LocalSteps(opt.units, opt._fp32_of, opt.param_groups)
+        opt.local_steps.load_state_dict(local, opt.units)
 
 
 def load_saved_state(opt, saved: dict | None) -> None:
@@ -275,7 +315,7 @@ def load_saved_state(opt, saved: dict | None) -> None:
     opt._saved["local_steps"] = saved
     if saved is None:
         return
-    trainable = opt._trainable()
+    trainable = opt.trainable()
     if len(saved["params"]) != len(trainable):
         raise ValueError(f"the checkpoint's local steps hold {len(saved['params'])} "
                          f"parameters, this optimizer has {len(trainable)} trainable")

@@ -44,8 +44,8 @@ def _tensors(opt) -> list[tuple[str, torch.Tensor]]:
     wide = getattr(opt.counts.comm, "_wide", None)
     if wide is not None:
         out.append(("bf16 errors' fp32 scratch", wide))
-    if opt._grad_flat is not None:
-        out.append(("warm-up gradient buffer", opt._grad_flat))
+    for exchange in opt.policy.step_exchanges():
+        out += exchange.buffers()
     if opt.local_steps is not None:
         out += [("local-step anchors", a) for a in opt.local_steps.anchor.values()]
     if opt.auto_freeze is not None:

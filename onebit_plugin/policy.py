@@ -26,21 +26,20 @@ from collections.abc import Callable
 import torch
 
 from onebit_plugin.allreduce import ExactAllreduce, OneBitAllreduce
+from onebit_plugin.exchanges import MomentumStep, StepExchange
 from onebit_plugin.freeze import CEILING
+from onebit_plugin.gradient_average import GradientAverage
+from onebit_plugin.step_kinds import MOMENTUM
 from onebit_plugin.update import adam_update_, frozen_update_
+from onebit_plugin.warmup_stage import warmup_step
 
-__all__ = ["EXACT", "LOCAL", "MOMENTUM", "SYNC", "AdamPolicy", "ExactMomentum", "Exchange",
-           "OneBitMomentum", "OverDenominator", "Policy"]
-
-# What one step exchanges; the DDP hook reads it before backward (``coming_exchange``), step()
-# after: the gradients averaged in full precision (warm-up, or a variance refresh), the
-# momentum units through the policy's :class:`Exchange`, nothing (a local step), or a local
-# step and then the average of the local steps' accumulated update (a sync).
-EXACT, MOMENTUM, LOCAL, SYNC = "exact", "momentum", "local", "sync"
+__all__ = ["AdamPolicy", "ExactMomentum", "Exchange", "OneBitMomentum", "OverDenominator",
+           "Policy"]
 
 
 class Exchange:
-    """What the compression stage sends for each momentum unit."""
+    """What the compression stage sends for each momentum unit: the wire of the momentum
+    step (``exchanges.MomentumStep``), which makes its communicator."""
 
     #: what the error buffers are residuals of; a checkpoint's errors of another kind are not
     #: loaded (``checkpoint.load_unit_errors``)
@@ -147,6 +146,22 @@ class Policy:
 
     def __init__(self, exchange: Exchange):
         self.exchange = exchange
+        #: the exact stage's exchange: the fp32 gradient average, then the warm-up's update
+        self.warmup: StepExchange = GradientAverage(warmup_step)
+        #: the compression stage's exchanges, by the word :meth:`exchange_at` says
+        self.exchanges: dict[str, StepExchange] = {MOMENTUM: MomentumStep(exchange)}
+
+    def step_exchange(self, t: int, total_steps: int | None, compressing: bool
+                      ) -> StepExchange:
+        """The exchange of step ``t`` (``onebit_plugin.exchanges``): :attr:`warmup` in the
+        exact stage, else the one :meth:`exchange_at` names."""
+        if not compressing:
+            return self.warmup
+        return self.exchanges[self.exchange_at(t, total_steps)]
+
+    def step_exchanges(self) -> list[StepExchange]:
+        """Every exchange this policy may choose (their buffers: ``onebit_plugin.memory``)."""
+        return [self.warmup, *self.exchanges.values()]
 
     def warmup_update_(self, group: dict, params: list[torch.Tensor], states: list[dict],
                        masters: list[torch.Tensor | None]) -> None:
@@ -177,10 +192,26 @@ class Policy:
 
     def exchange_at(self, t: int, total_steps: int | None) -> str:
         """What compression-stage step ``t`` (``global_step`` once it is taken) of a run of
-        ``total_steps`` (None: not known) exchanges: :data:`MOMENTUM` here; a member with
-        refreshes or local steps says :data:`EXACT`, :data:`LOCAL` or :data:`SYNC` where it has
-        them."""
+        ``total_steps`` (None: not known) exchanges, a word of ``onebit_plugin.step_kinds``
+        and a key of :attr:`exchanges`: ``"momentum"`` here; a member with refreshes or local
+        steps says ``"exact"``, ``"local"`` or ``"sync"`` where it has them."""
         return MOMENTUM
+
+    def rank_state(self, opt) -> dict | None:
+        """This rank's own state of the member beyond the parameters' state dicts, which a
+        checkpoint carries per rank (0/1 Adam's between syncs); None: nothing."""
+        return None
+
+    def load_rank_state(self, opt, saved: dict | None) -> None:
+        """Take a checkpoint's :meth:`rank_state` back (after the parameters' state)."""
+        if saved is not None:
+            raise ValueError(f"this checkpoint holds local-step state (0/1 Adam's, saved "
+                             f"between syncs), which {type(self).__name__} has no use for: "
+                             "resume it with ZeroOneAdam")
+
+    def units_built(self, opt) -> None:
+        """The momentum units were just built (at the first compression-stage step, or after
+        a resume): a member's own state over them is made here."""
 
     def agreement(self, total_steps: int | None) -> dict[str, int]:
         """The member's own settings every rank must share, as integers."""

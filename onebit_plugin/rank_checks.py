@@ -229,7 +229,7 @@ def check_ranks_agree(opt, params: list[torch.Tensor]) -> None:
         "trainable parameters": len(params),
         "trainable values": sum(p.numel() for p in params),
     }
-    grads = grad_fingerprint(params, opt._hook_params is not None or opt.handoff.grads_averaged)
+    grads = grad_fingerprint(params, opt.hooked_params is not None or opt.handoff.grads_averaged)
     saved = opt._saved.get("local_steps")  # resumed between syncs, the units not built yet
     sync_point = saved["anchors"] if saved else (
         list(opt.local_steps.anchor.values()) if opt.between_syncs else None)

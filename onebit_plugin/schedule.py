@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from onebit_plugin.policy import EXACT, LOCAL, MOMENTUM, SYNC
+from onebit_plugin.step_kinds import EXACT, LOCAL, MOMENTUM, SYNC
 
 __all__ = ["ZeroOneSchedule", "auto_var_freeze_step", "exact_steps", "local_interval",
            "refreshes_until", "refreshes_variance"]

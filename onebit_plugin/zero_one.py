@@ -27,9 +27,11 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from onebit_plugin import compression_stage, local_steps
 from onebit_plugin.base import OneBitOptimizer
 from onebit_plugin.config import OneBitConfig, check_hparams
 from onebit_plugin.deferred import as_fp32
+from onebit_plugin.gradient_average import GradientAverage
 from onebit_plugin.policy import AdamPolicy, OneBitMomentum
 from onebit_plugin.schedule import (
     ZeroOneSchedule,
@@ -37,6 +39,7 @@ from onebit_plugin.schedule import (
     exact_steps,
     refreshes_until,
 )
+from onebit_plugin.step_kinds import EXACT, LOCAL, SYNC
 
 __all__ = ["ZeroOneAdam", "ZeroOnePolicy"]
 
@@ -71,6 +74,10 @@ class ZeroOnePolicy(AdamPolicy):
     def __init__(self, var_freeze_step, var_update_scaler: int, local_step_scaler,
                  local_step_clipper: int):
         super().__init__(OneBitMomentum())
+        # Refreshes average exactly, as the warm-up does; local steps send nothing, syncs
+        # send through the momentum's communicator.
+        self.exchanges.update({EXACT: GradientAverage(compression_stage.refresh_step),
+                               LOCAL: local_steps.LocalStep(), SYNC: local_steps.SyncStep()})
         self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
         self.local_step_scaler, self.local_step_clipper = local_step_scaler, local_step_clipper
         self._schedule: ZeroOneSchedule | None = None
@@ -96,6 +103,15 @@ class ZeroOnePolicy(AdamPolicy):
 
     def exchange_at(self, t: int, total_steps: int | None) -> str:
         return self.schedule(total_steps).kind(t)
+
+    def rank_state(self, opt) -> dict | None:
+        return local_steps.saved_state(opt)
+
+    def load_rank_state(self, opt, saved: dict | None) -> None:
+        local_steps.load_saved_state(opt, saved)
+
+    def units_built(self, opt) -> None:
+        local_steps.restore(opt)
 
     def agreement(self, total_steps: int | None) -> dict[str, int]:
         def number(v):

@@ -69,11 +69,13 @@ MASKS = "onebit_plugin/masks.py"
 CONFIG = "onebit_plugin/config.py"
 ZERO_ONE = "onebit_plugin/zero_one.py"
 LOCAL = "onebit_plugin/local_steps.py"
+AVERAGE = "onebit_plugin/gradient_average.py"
 
 MUTANTS = [
     # ---------------------------------------------------------------- issue 27's findings
-    _m("hook-warmup-divides", "finding: the hook's warm-up is DDP's average bit for bit", HOOK,
-       "buffer.mul_(1.0 / state.world_size)", "buffer.div_(state.world_size)",
+    _m("hook-warmup-divides", "finding: the hook's warm-up is DDP's average bit for bit",
+       AVERAGE,
+       "buffer.mul_(1.0 / hook.world_size)", "buffer.div_(hook.world_size)",
        "tests/test_ddp_hook.py::test_warmup_hook_gradients_equal_ddp_default"),
     _m("comm-inline", "finding: the hook overlaps, not blocks", AR,
        "        comm_executor(self.group).submit(job)\n", "        job()\n",
@@ -153,7 +155,7 @@ MUTANTS = [
        "tests/test_optimizer.py::"
        "test_a_compression_stage_state_resumes_on_another_world_size_errors_restarted"),
     _m("no-drain-before-ddp", "row: GPU path (the last bucket drains)", HOOK,
-       "        if state.submitted:\n", "        if False:\n",
+       "            if self.submitted:\n", "            if False:\n",
        "tests/test_ddp_hook.py::test_the_last_buckets_hook_returns_after_every_unit_is_averaged"),
     # The C update pass (the CPU default) gets the bound as this argument.
     _m("unbounded-steps", "row: bounded steps", "onebit_plugin/update.py",
@@ -207,7 +209,7 @@ MUTANTS = [
        "    if not pairs:\n        return []\n", "    return [False] * len(pairs)\n",
        "tests/test_clipping.py::"
        "test_an_unchanged_averaged_momentum_is_not_compared_a_changed_one_is_kept_beside_local"),
-    _m("warmup-flags-never-read", "row: warm-up equals torch Adam", "onebit_plugin/warmup.py",
+    _m("warmup-flags-never-read", "row: warm-up equals torch Adam", AVERAGE,
        "flat[:head].tolist() if missing else [1.0] * head", "[1.0] * head",
        "tests/test_optimizer.py::"
        "test_warmup_allreduce_goes_in_chunks_all_started_before_the_first_wait"),
@@ -271,8 +273,8 @@ MUTANTS = [
        "test_a_parameter_unfrozen_after_ddp_wrapped_the_model_is_an_error_on_every_rank"
        "[warmup]"),
     _m("unaveraged-warmup-stepped", "row: a warm-up step on gradients DDP did not average",
-       BASE, "            rank_checks.check_reduced(self.param_groups, trainable, "
-       "self.handoff.reduced)\n",
+       AVERAGE, "            rank_checks.check_reduced(opt.param_groups, opt.trainable(), "
+       "opt.handoff.reduced)\n",
        "            pass\n",
        "tests/test_ddp_hook.py::"
        "test_a_warm_up_step_on_gradients_ddp_did_not_average_is_refused[frozen]"),
@@ -390,9 +392,7 @@ MUTANTS = [
        "tests/test_zero_one.py::"
        "test_a_phase_a_state_from_before_steps_weighted_refreshes_is_a_clear_error"),
     _m("zero-one-local-bound-is-the-averages", "row: 0/1 Adam's phase B",
-       "onebit_plugin/compression_stage.py",
-       "        bound = local_steps.local_bound(opt.world_size) if local else 1.0\n",
-       "        bound = 1.0\n",
+       LOCAL, "local_bound=local_bound(opt.world_size))", "local_bound=1.0)",
        "tests/test_zero_one.py::"
        "test_a_local_step_is_bounded_at_sqrt_w_lr_and_the_common_point_at_lr"),
     _m("zero-one-denominators-not-refreshed", "row: 0/1 Adam's phase A",
@@ -460,8 +460,10 @@ MUTANTS = [
        "onebit_plugin/compression_stage.py",
        "    opt.units  # noqa: B018 - built on first use\n", "",
        "tests/test_zero_one.py::test_resume_is_bitwise_in_every_phase[9]"),
-    _m("zero-one-hook-sends-in-local-steps", "row: a local step sends nothing", HOOK,
-       "    if coming in (LOCAL, SYNC):", "    if False:",
+    _m("zero-one-hook-sends-in-local-steps", "row: a local step sends nothing", LOCAL,
+       "        local: torch.futures.Future = torch.futures.Future()\n"
+       "        local.set_result(bucket.buffer())\n        return local\n",
+       "        return hook.average_units(bucket)\n",
        "tests/test_zero_one.py::"
        "test_a_local_step_sends_nothing_and_a_sync_sends_one_compressed_allreduce_per_unit"),
     _m("zero-one-sync-point-not-decayed", "row: 0/1 Adam's decay is AdamW's", LOCAL,
@@ -470,11 +472,32 @@ MUTANTS = [
     _m("zero-one-no-landing", "row: bit-identical after every sync", LOCAL,
        "                write_back(p, x)\n", "",
        "tests/test_zero_one.py::test_ranks_differ_between_syncs_and_are_bit_identical_after_each"),
-    _m("zero-one-own-params-not-saved", "row: 0/1 Adam resumes between syncs", CKPT,
-       '"local_steps": local_steps.saved_state(opt)', '"local_steps": None',
+    _m("zero-one-own-params-not-saved", "row: 0/1 Adam resumes between syncs", ZERO_ONE,
+       "        return local_steps.saved_state(opt)\n", "        return None\n",
        "tests/test_zero_one.py::test_resume_is_bitwise_in_every_phase",
        "tests/test_zero_one.py::"
        "test_between_syncs_each_rank_resumes_its_own_parameters_from_rank_0s_checkpoint"),
+    # ------------------------------------------------------------ the seams (issue 43)
+    _m("exchange-not-consulted", "issue 43: the policy's exchange is the one that runs",
+       "onebit_plugin/policy.py", "            return self.warmup\n",
+       "            return GradientAverage(warmup_step)\n",
+       "tests/test_exchanges.py::"
+       "test_the_policys_exchanges_are_called_by_step_clipping_and_the_hook_on_both_paths"),
+    _m("hook-ignores-the-steps-exchange", "issue 43: the hook asks the step's exchange", HOOK,
+       "    return opt.exchange_for(opt.global_step + 1).in_backward(opt, state, bucket)",
+       "    return opt.policy.warmup.in_backward(opt, state, bucket)",
+       "tests/test_exchanges.py::"
+       "test_the_policys_exchanges_are_called_by_step_clipping_and_the_hook_on_both_paths"),
+    _m("import-circle", "issue 43: no import circle, function-level imports included",
+       "onebit_plugin/schedule.py", "\n\n__all__ = [\"ZeroOneSchedule\"",
+       "\n\n\ndef _late():\n    from onebit_plugin import policy  # noqa: F401\n\n\n"
+       "__all__ = [\"ZeroOneSchedule\"",
+       "tests/test_layout.py::test_no_import_circle_in_the_core"),
+    _m("topology-group-not-used", "issue 43: the collectives take the topology's group",
+       "onebit_plugin/topology.py",
+       "            self._group = new_group(self.process_group, timeout, device)\n",
+       "            self._group = new_group(None, timeout, device)\n",
+       "tests/test_faults.py::test_a_data_parallel_subgroup_makes_its_own_group_alone"),
 ]
 
 

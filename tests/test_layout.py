@@ -1,5 +1,6 @@
 """The arrows of docs/design.md ("Layout of the code"), read from the source: integrations ->
-core -> the dispatch module -> kernels, never back."""
+core -> the dispatch module -> kernels, never back; and no circle among the core's modules,
+function-level imports included."""
 
 import ast
 from pathlib import Path
@@ -25,14 +26,14 @@ def _imports(path: Path) -> list[tuple[int, str]]:
 
 
 def test_kernels_import_nothing_of_the_core():
-    for path in sorted((ROOT / "kernels").glob("*.py")):
+    for path in sorted((ROOT / "kernels").rglob("*.py")):
         for line, module in _imports(path):
             assert not module.startswith("onebit_plugin.") or \
                 module.startswith("onebit_plugin.kernels"), f"{path.name}:{line} imports {module}"
 
 
 def test_only_the_dispatch_module_reaches_the_kernels():
-    for path in sorted((ROOT / "onebit_plugin").glob("*.py")):
+    for path in sorted((ROOT / "onebit_plugin").rglob("*.py")):
         for line, module in _imports(path):
             if module.startswith("onebit_plugin.kernels"):
                 assert path.name == "dispatch.py", f"{path.name}:{line} imports {module}"
@@ -40,7 +41,7 @@ def test_only_the_dispatch_module_reaches_the_kernels():
 
 def test_the_core_imports_the_integrations_once_to_register_the_strategies():
     seen = [(path.name, line, module)
-            for path in sorted((ROOT / "onebit_plugin").glob("*.py"))
+            for path in sorted((ROOT / "onebit_plugin").rglob("*.py"))
             for line, module in _imports(path) if module.startswith("onebit_plugin.integrations")]
     assert [(name, module) for name, _, module in seen] == [
         ("__init__.py", "onebit_plugin.integrations.lightning.register_when_imported")]
@@ -61,3 +62,47 @@ def test_integrations_use_the_cores_public_names():
             if exported is None:  # "import onebit_plugin.x": a module, not a name from one
                 continue
             assert name in exported, f"{path.relative_to(ROOT)}:{line} imports {module}"
+
+
+def _core_module(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _core_arrows() -> dict[str, set[str]]:
+    """Core module -> the core modules it imports, anywhere in it (a function-level import
+    too); ``from package import name`` counts as the module ``package.name`` when that is one.
+    The package's ``__init__`` (which imports every public name) is left out: nothing in the
+    core imports it."""
+    paths = {_core_module(p): p for p in (ROOT / "onebit_plugin").rglob("*.py")}
+    core = set(paths) - {"onebit_plugin"}
+    arrows = {}
+    for name in core:
+        arrows[name] = set()
+        for _, module in _imports(paths[name]):
+            for target in (module, module.rpartition(".")[0]):
+                if target in core and target != name:
+                    arrows[name].add(target)
+                    break
+    return arrows
+
+
+def test_no_import_circle_in_the_core():
+    arrows = _core_arrows()
+    assert "onebit_plugin.base" in arrows and arrows["onebit_plugin.base"]
+    done, path = set(), []
+
+    def visit(name):
+        if name in path:
+            raise AssertionError("import circle: " + " -> ".join(path[path.index(name):] +
+                                                                 [name]))
+        if name in done:
+            return
+        path.append(name)
+        for target in sorted(arrows[name]):
+            visit(target)
+        path.pop()
+        done.add(name)
+
+    for name in sorted(arrows):
+        visit(name)

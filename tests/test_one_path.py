@@ -253,7 +253,7 @@ def _memory_worker(rank, world):
     _train(net, opt, rank, steps=FREEZE - 1)
     assert opt.stage == "compression" and opt._units is None
     where = {p: opt.state[p]["exp_avg"].data_ptr() for p in net.parameters()}
-    spare = opt._grad_flat
+    spare = opt.policy.warmup.flat
     start, end = spare.data_ptr(), spare.data_ptr() + 4 * spare.numel()
     _train(net, opt, rank, steps=1)
     return [(set(unit.params) <= first, unit.momentum.data_ptr() == where[unit.params[0]],

@@ -97,7 +97,7 @@ def _chunked_warmup_worker(rank, world):
     is skipped)."""
     import torch.distributed as dist
 
-    import onebit_plugin.warmup as warmup_module
+    import onebit_plugin.gradient_average as warmup_module
 
     warmup_module.WARMUP_CHUNK_BYTES = 1600
     events, reduce = [], dist.all_reduce

@@ -1,18 +1,26 @@
-"""The exact warm-up's gradient average, for a family member that averages by itself (no DDP):
-the mean of every trainable gradient over the ranks, the same numbers as DDP's, in fp32
-allreduces of ``WARMUP_CHUNK_BYTES`` all started before the first is waited on.
+"""The exact stage's exchange: the gradients averaged across ranks in fp32, the same numbers as
+DDP's, by the DDP hook (DDP's own reduction of each bucket) or, for a member that averages by
+itself, here in ``step()``: every trainable gradient in fp32 allreduces of
+``WARMUP_CHUNK_BYTES`` all started before the first is waited on. 1-bit Adam's and 1-bit LAMB's
+warm-up and 0/1 Adam's Adam steps and variance refreshes exchange this way
+(``exchanges.StepExchange``).
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from onebit_plugin import rank_checks
 from onebit_plugin.allreduce import wait_collectives
+from onebit_plugin.byte_counts import ring_bytes
+from onebit_plugin.exchanges import StepExchange
+from onebit_plugin.step_kinds import EXACT
 
-__all__ = ["WARMUP_CHUNK_BYTES", "WARMUP_CHUNK_BYTES_CUDA", "average_gradients", "ring_bytes"]
+__all__ = ["WARMUP_CHUNK_BYTES", "WARMUP_CHUNK_BYTES_CUDA", "GradientAverage",
+           "average_gradients"]
 
 # Without DDP the warm-up allreduce goes in chunks of this many fp32 bytes, all started at once:
 # the copy of the next chunk's gradients and the division of the last one's means overlap the
@@ -25,11 +33,6 @@ WARMUP_CHUNK_BYTES = 4 * 2**20
 # does not hold; chunks as large as DDP's buckets (25 MiB) keep the launches few, 32 MiB here
 # (not measured on a GPU yet: benchmarks/gpu_check.py times the warm-up step).
 WARMUP_CHUNK_BYTES_CUDA = 32 * 2**20
-
-
-def ring_bytes(nbytes: int, world: int) -> int:
-    """Bytes one rank sends in a bandwidth-optimal (ring) allreduce of ``nbytes``."""
-    return math.ceil(2 * (world - 1) / world * nbytes)
 
 
 def average_gradients(params: list[torch.Tensor], flat: torch.Tensor | None, group,
@@ -88,3 +91,62 @@ def _chunks(sizes: list[int], head: int, cap: int) -> list[tuple[int, int, int, 
         end += n
     out.append((start, end, lo, len(sizes)))
     return out
+
+
+class GradientAverage(StepExchange):
+    """The gradients averaged in fp32, then ``then(opt)``: the step's update on them (the
+    warm-up's, ``warmup_stage.warmup_step``, or a variance refresh's). Holds the flat buffer
+    of the optimizer's own average (4 bytes per parameter, reused every step)."""
+
+    kind = EXACT
+
+    def __init__(self, then: Callable) -> None:
+        self.then = then
+        self.flat: torch.Tensor | None = None
+
+    def in_backward(self, opt, hook, bucket) -> torch.futures.Future:
+        opt.handoff.note_reduced(bucket.parameters())  # step() refuses gradients no bucket averaged
+        buffer = bucket.buffer()
+        # DDP's default reduction, bits included: multiply by 1/W, then sum. Its reducer
+        # multiplies each gradient by double(1) / W as it copies it into the bucket; dividing
+        # by W instead rounds differently for a W that is not a power of two (at 3 ranks about
+        # 40% of the values differed, by up to 3.7e-9).
+        buffer.mul_(1.0 / hook.world_size)
+        opt.counts.count_exact(buffer.nbytes, hook.world_size)
+        work = dist.all_reduce(buffer, group=hook.comm_group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
+
+    def average_(self, opt) -> None:
+        """Every trainable ``p.grad`` replaced by its mean over the ranks, here, unless the DDP
+        hook or an earlier call of this step did it."""
+        handoff = opt.handoff
+        if not opt.config.average_grads or opt.world_size == 1 or handoff.grads_averaged:
+            return
+        params = opt.trainable()
+        self.flat, sent = average_gradients(params, self.flat, opt.comm_group,
+                                            opt.comm_timeout, opt.world_size)
+        opt.counts.add_exact(sent, ring_bytes(4 * sum(p.numel() for p in params),
+                                              opt.world_size))
+        handoff.grads_averaged = True
+
+    def clip_grad_norm_(self, opt, trainable, max_norm, norm_type) -> torch.Tensor:
+        opt.handoff.start_sketching(trainable)  # from now on the hook sketches what it folds
+        self.average_(opt)
+        if not any(p.grad is not None for p in trainable):
+            return torch.zeros((), device=trainable[0].device if trainable else "cpu")
+        return torch.nn.utils.clip_grad_norm_(trainable, max_norm)
+
+    def step(self, opt) -> None:
+        self.average_(opt)
+        if opt.hooked_params is not None:
+            rank_checks.check_reduced(opt.param_groups, opt.trainable(), opt.handoff.reduced)
+        self.then(opt)
+
+    def release_buffer(self) -> torch.Tensor | None:
+        """The flat buffer, no longer this exchange's (the momentum units' fold buffers are
+        cut from it at the freeze rather than from new memory)."""
+        flat, self.flat = self.flat, None
+        return flat
+
+    def buffers(self) -> list[tuple[str, torch.Tensor]]:
+        return [("warm-up gradient buffer", self.flat)] if self.flat is not None else []
