@@ -15,7 +15,7 @@ On the emulated hosts of benchmarks/cluster.py (network namespaces, each link li
 and prints the median of ``--calls`` calls on rank 0. Only the collectives are timed (the rows'
 copies too); no compression runs. Then a warm-up ``OneBitAdam.step()`` without DDP on the
 gradients of benchmarks/cluster.py's communication-bound GPT (6,458,112 values in 102 tensors),
-with ``onebit_plugin.gradient_average.WARMUP_CHUNK_BYTES`` at 1 GiB (one allreduce, as before
+with ``onebit_plugin.core.gradient_average.WARMUP_CHUNK_BYTES`` at 1 GiB (one allreduce, as before
 2026-12-01 21:00 UTC) and 1-16 MiB (4 MiB: the default), interleaved. The namespaces are
 removed afterwards. Each run appends one record to ``benchmarks/results/collective_patterns.jsonl``
 (benchmarks/record.py).
@@ -102,7 +102,7 @@ def time_warmup_chunks(calls: int, results: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    import onebit_plugin.gradient_average as optimizer
+    import onebit_plugin.core.gradient_average as optimizer
     from onebit_plugin import OneBitAdam
 
     sys.path.insert(0, str(ROOT / "benchmarks"))

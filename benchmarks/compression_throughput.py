@@ -20,7 +20,7 @@ import time
 import torch
 from record import append_run, shown  # benchmarks/record.py
 
-from onebit_plugin import compression as C
+from onebit_plugin.wire import compression as C
 
 
 def bench(fns: dict, repeat: int) -> dict:

@@ -222,7 +222,7 @@ def _optimizer(variant, ddp, lr):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     from onebit_plugin import OneBitAdam
-    from onebit_plugin.ddp_hook import register_onebit_hook
+    from onebit_plugin.entry.ddp_hook import register_onebit_hook
 
     if variant in LAMB:
         from onebit_plugin import OneBitLamb
@@ -269,8 +269,8 @@ def _optimizer(variant, ddp, lr):
 def _exact_syncs() -> None:
     """A diagnostic, not a setting: 0/1 Adam's syncs averaged by an exact fp32 allreduce instead
     of the 1-bit one (this rank's process only), to tell the local steps' own cost from the
-    sync's compression error. Reaches into ``onebit_plugin.local_steps`` on purpose."""
-    from onebit_plugin import local_steps
+    sync's compression error. Reaches into ``onebit_plugin.members.local_steps`` on purpose."""
+    from onebit_plugin.members import local_steps
 
     class Exact:
         @staticmethod

@@ -41,8 +41,8 @@ import warnings
 import torch
 from record import append_run, read_runs, shown  # benchmarks/record.py
 
-from onebit_plugin import compression as ref
-from onebit_plugin.compression import ChunkLayout, CoordinateMask
+from onebit_plugin.wire import compression as ref
+from onebit_plugin.wire.compression import ChunkLayout, CoordinateMask
 
 
 def _data(numel: int, world: int, block: int, dtype, device, seed: int):
@@ -451,7 +451,7 @@ def _gloo_rank(rank: int, world: int, port: int, device_type: str, queue) -> Non
             if path.startswith("ddp_hook"):
                 from torch.nn.parallel import DistributedDataParallel
 
-                from onebit_plugin.ddp_hook import register_onebit_hook
+                from onebit_plugin.entry.ddp_hook import register_onebit_hook
 
                 model = DistributedDataParallel(
                     model, bucket_cap_mb=0.01,

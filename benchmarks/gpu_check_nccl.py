@@ -138,7 +138,7 @@ def _hook_steps(rank: int, device, opts) -> dict:
 def _is_communication_error(exc: BaseException) -> bool:
     """The exception, or one it was raised from, is CommunicationError; DDP re-raises a hook's
     error as a RuntimeError that carries its type's name in the message."""
-    from onebit_plugin.allreduce import CommunicationError
+    from onebit_plugin.comm.collectives import CommunicationError
 
     seen = exc
     while seen is not None:

@@ -15,7 +15,8 @@ labelled ``warmup``, ``freeze`` (the first compression-stage step, whose ``step(
 buffers), or what they exchange after it (``optimizer.coming_exchange``: ``momentum``,
 ``refresh`` for 0/1 Adam's exact steps, ``local``, ``sync``), and each label
 keeps its largest figure over the ranks. After the last step of each label the optimizer's own
-``onebit_plugin.memory.buffer_bytes`` gives the breakdown by buffer (allocated bytes; the peak is
+``onebit_plugin.core.memory.buffer_bytes`` gives the breakdown by buffer (allocated bytes; the peak
+is
 what was resident). One record per run in ``benchmarks/results/memory.jsonl``.
 
 The ranks run with ``MALLOC_MMAP_THRESHOLD_=65536``: glibc then maps every block over 64 KiB
@@ -79,7 +80,7 @@ def rank_main(args) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     import onebit_plugin
-    from onebit_plugin.memory import buffer_bytes
+    from onebit_plugin.core.memory import buffer_bytes
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from onebit_plugin.compression import ChunkLayout, CoordinateMask, worker_compress
+from onebit_plugin.wire.compression import ChunkLayout, CoordinateMask, worker_compress
 
 
 def run(signal: torch.Tensor, scale: str, steps: int, seed: int = 0) -> list[tuple]:

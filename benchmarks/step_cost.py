@@ -32,7 +32,7 @@ from charlm import CharGPT  # noqa: E402
 from record import append_run, shown  # noqa: E402 - benchmarks/record.py
 
 from onebit_plugin import OneBitAdam  # noqa: E402
-from onebit_plugin.allreduce import OneBitAllreduce  # noqa: E402
+from onebit_plugin.comm.allreduce import OneBitAllreduce  # noqa: E402
 from onebit_plugin.kernels import cpu  # noqa: E402
 
 

@@ -16,7 +16,7 @@ import sys
 
 
 def _on() -> bool:
-    from onebit_plugin.config import flag
+    from onebit_plugin.settings.config import flag
 
     return flag("ONEBIT_ADAM", "0")
 

@@ -43,7 +43,7 @@ def ddp_kwargs(kwargs: dict, hook_options: tuple[str, ...]) -> dict:
     """The DDP strategy's keyword arguments: the comm-hook options refused (the 1-bit hook is
     the strategy's), ``gradient_as_bucket_view`` True unless the user said otherwise (no copy
     into DDP's buckets and back per step, and the hook can leave the units completed by the
-    last bucket to ``step()``: ``onebit_plugin.ddp_hook``)."""
+    last bucket to ``step()``: ``onebit_plugin.entry.ddp_hook``)."""
     for taken in hook_options:
         if kwargs.get(taken) is not None:
             raise ValueError(f"the onebit_adam strategy registers its own DDP comm hook; "

@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from onebit_plugin.members import MEMBERS
+from onebit_plugin.settings.registry import MEMBERS
 
 BOOTSTRAP = Path(__file__).resolve().parent / "bootstrap"
 

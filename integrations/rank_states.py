@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from onebit_plugin import uses_nccl
-from onebit_plugin.optimizer import OneBitAdam
+from onebit_plugin.members.onebit_adam import OneBitAdam
 
 log = logging.getLogger("onebit_plugin")
 

@@ -6,7 +6,7 @@
 * :func:`block_tile`, the tile both use for a block's sum.
 
 Nothing here imports ``onebit_plugin``: the core reaches these through
-``onebit_plugin.dispatch`` alone, which imports them lazily (a CPU-only install needs neither
+``onebit_plugin.wire.dispatch`` alone, which imports them lazily (a CPU-only install needs neither
 Triton nor a GPU).
 """
 

@@ -11,7 +11,7 @@ sha256 digest, written beside it at the build, matches, and neither it, its dige
 belongs to another user or is writable by others; else it is rebuilt, and said (loading a library
 runs its code). Without a compiler (``$CC`` when it names one on ``PATH``, else
 ``cc``/``gcc``), or when the build fails, :func:`library` returns None once it has said so in
-one log line per process, and the torch passes of ``onebit_plugin.compression`` run instead
+one log line per process, and the torch passes of ``onebit_plugin.wire.compression`` run instead
 (the same bits, slower). ``ONEBIT_CPU_KERNEL=0`` chooses the torch passes.
 """
 
@@ -155,7 +155,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def library(off: str | None = None) -> ctypes.CDLL | None:
     """The built library, or None (said once) when it cannot be had. ``off``, at the first
-    call: why it must not be used (the setting that turned it off; ``onebit_plugin.dispatch``
+    call: why it must not be used (the setting that turned it off; ``onebit_plugin.wire.dispatch``
     reads it)."""
     if "lib" in _state:
         return _state["lib"]
@@ -196,7 +196,7 @@ def _ptr(t: torch.Tensor) -> int:
 
 def worker_compress(x, error, mask, layout, packed, scales, tile: int, fold=None) -> None:
     """The worker pass; ``x`` fp32 or bf16, contiguous, on the CPU; or, with ``fold`` (the
-    momentum of a unit, fp32, and ``onebit_plugin.deferred.Fold.cpu_table()``), the fold of the
+    momentum of a unit, fp32, and ``onebit_plugin.wire.deferred.Fold.cpu_table()``), the fold of the
     unit's gradients, computed inside the pass (``x`` unused)."""
     common = (_ptr(error), _ptr(mask.keep), _ptr(mask.counts), _ptr(packed), _ptr(scales),
               layout.num_blocks, layout.block, tile, int(layout.scale == "rms"),
@@ -233,7 +233,7 @@ def decompress(packed, scales, mask, layout, out) -> None:
 
 
 def decode_range(encoded, out) -> None:
-    """Decode ``encoded`` (``onebit_plugin.deferred.Encoded``) into ``out`` (fp32, contiguous,
+    """Decode ``encoded`` (``onebit_plugin.wire.deferred.Encoded``) into ``out`` (fp32, contiguous,
     its size)."""
     library().onebit_decode_range(_ptr(encoded.packed), _ptr(encoded.scales),
                                   _ptr(encoded.keep), _ptr(out), encoded.offset, out.numel(),
@@ -245,7 +245,7 @@ def frozen_update_many(rows, *, decay: float) -> None:
     ``(param, averaged, denom, into, scale, bound)``, where each ``param`` becomes
     ``param * decay + clamp(averaged / denom, -bound, bound) * scale`` (no clamp for
     ``bound=None``), the torch passes' bits, in one pass over each; ``averaged`` is the fp32
-    averaged momentum or its part of an encoded average (``onebit_plugin.deferred.Encoded``,
+    averaged momentum or its part of an encoded average (``onebit_plugin.wire.deferred.Encoded``,
     decoded as it is read, the same bits), copied ``into`` a tensor on the way (None: not
     copied). fp32, contiguous, CPU tensors of ``param``'s size."""
     if not rows:

@@ -4,7 +4,7 @@ Each program owns one block of ``block`` values (a multiple of 8) and views it a
 tile, so the 8 signs that share a byte sit in one row: packing is a shift-and-sum along that row,
 unpacking a shift-and-and. The shared ``@triton.jit`` helpers below address a block, encode and
 decode it; the three kernels only combine them. The torch reference in
-``onebit_plugin.compression`` defines the exact semantics, the block sums' order included, and
+``onebit_plugin.wire.compression`` defines the exact semantics, the block sums' order included, and
 the kernels match it bit for bit: packed bits, scales and errors.
 
 The kernels run on the CPU under ``TRITON_INTERPRET=1`` for testing.
@@ -45,7 +45,7 @@ def _decode(byte, cols, scale):
 @triton.jit
 def _tree_sum(terms, BYTES: tl.constexpr, LEVELS: tl.constexpr):
     """The sum of a ``(BYTES, 8)`` tile in the reference's order
-    (``onebit_plugin.compression.block_sums_``): flat, row-major, the upper half added onto the
+    (``onebit_plugin.wire.compression.block_sums_``): flat, row-major, the upper half added onto the
     lower half until one value is left (``LEVELS = log2(8 * BYTES)`` halvings). A sum over an
     axis of 2 is one addition, exact in either order; the reshapes keep the order
     (``can_reorder`` is off)."""
@@ -160,7 +160,8 @@ def _on_device(tensor: torch.Tensor):
 
 
 def worker_compress(x, error, mask, layout, packed, scales) -> None:
-    """Launcher of the worker pass; arguments as ``onebit_plugin.compression.worker_compress``."""
+    """Launcher of the worker pass; arguments as
+    ``onebit_plugin.wire.compression.worker_compress``."""
     config = _launch_config(layout, x, error, mask.keep, packed, scales)
     with _on_device(x):
         _worker_compress_kernel[(layout.num_blocks,)](
@@ -172,7 +173,8 @@ def worker_compress(x, error, mask, layout, packed, scales) -> None:
 
 def server_compress(recv_packed, recv_scales, error, mask, layout,
                     packed, scales) -> None:
-    """Launcher of the server pass; arguments as ``onebit_plugin.compression.server_compress``."""
+    """Launcher of the server pass; arguments as
+    ``onebit_plugin.wire.compression.server_compress``."""
     config = _launch_config(layout, recv_packed, recv_scales, error, mask.keep, packed, scales)
     with _on_device(error):
         _server_compress_kernel[(layout.blocks_per_chunk,)](
@@ -183,7 +185,7 @@ def server_compress(recv_packed, recv_scales, error, mask, layout,
 
 
 def decompress(packed, scales, mask, layout, out) -> None:
-    """Launcher of the final decode; arguments as ``onebit_plugin.compression.decompress``."""
+    """Launcher of the final decode; arguments as ``onebit_plugin.wire.compression.decompress``."""
     config = _launch_config(layout, packed, scales, mask.keep, out)
     with _on_device(out):
         _decompress_kernel[(layout.num_blocks,)](

@@ -10,28 +10,23 @@ the same compressed momentum. ``from_deepspeed_config`` builds any of them from 
 config.
 """
 
-from onebit_plugin.allreduce import (
-    CommunicationError,
-    ExactAllreduce,
-    OneBitAllreduce,
-    group_timeout,
-    uses_nccl,
-)
-from onebit_plugin.base import OneBitOptimizer
-from onebit_plugin.compression import ChunkLayout
-from onebit_plugin.config import OneBitConfig, settings_from_env
-from onebit_plugin.ddp_hook import OneBitHookState, onebit_hook, register_onebit_hook
-from onebit_plugin.deepspeed_config import from_deepspeed_config
-from onebit_plugin.deferred import fold_gradient_
-from onebit_plugin.lamb import LambPolicy, OneBitLamb
-from onebit_plugin.lockstep import LockstepError, check_lockstep
-from onebit_plugin.members import MEMBERS, Member
-from onebit_plugin.momentum import MomentumUnit
-from onebit_plugin.optimizer import OneBitAdam
-from onebit_plugin.policy import AdamPolicy, ExactMomentum, Exchange, OneBitMomentum, Policy
-from onebit_plugin.standalone import CompressedAllreduce, compressed_allreduce
-from onebit_plugin.update import adam_update_, frozen_denominator, frozen_update_
-from onebit_plugin.zero_one import ZeroOneAdam, ZeroOnePolicy
+from onebit_plugin.comm.allreduce import ExactAllreduce, OneBitAllreduce
+from onebit_plugin.comm.collectives import CommunicationError, group_timeout, uses_nccl
+from onebit_plugin.core.base import OneBitOptimizer
+from onebit_plugin.core.momentum import MomentumUnit
+from onebit_plugin.core.policy import AdamPolicy, ExactMomentum, Exchange, OneBitMomentum, Policy
+from onebit_plugin.entry.ddp_hook import OneBitHookState, onebit_hook, register_onebit_hook
+from onebit_plugin.entry.deepspeed_config import from_deepspeed_config
+from onebit_plugin.entry.lockstep import LockstepError, check_lockstep
+from onebit_plugin.entry.standalone import CompressedAllreduce, compressed_allreduce
+from onebit_plugin.maths.update import adam_update_, frozen_denominator, frozen_update_
+from onebit_plugin.members.onebit_adam import OneBitAdam
+from onebit_plugin.members.onebit_lamb import LambPolicy, OneBitLamb
+from onebit_plugin.members.zero_one_adam import ZeroOneAdam, ZeroOnePolicy
+from onebit_plugin.settings.config import OneBitConfig, settings_from_env
+from onebit_plugin.settings.registry import MEMBERS, Member
+from onebit_plugin.wire.compression import ChunkLayout
+from onebit_plugin.wire.deferred import fold_gradient_
 
 __all__ = [
     "AdamPolicy",

@@ -58,18 +58,19 @@ def _m(name, row, path, old, new, *tests):
     return Mutant(name, row, ((path, old, new),), tests)
 
 
-OPT = "onebit_plugin/optimizer.py"
-HOOK = "onebit_plugin/ddp_hook.py"
-AR = "onebit_plugin/allreduce.py"
-UNIT = "onebit_plugin/momentum.py"
-BASE = "onebit_plugin/base.py"
-CKPT = "onebit_plugin/checkpoint.py"
-CHECKS = "onebit_plugin/rank_checks.py"
-MASKS = "onebit_plugin/masks.py"
-CONFIG = "onebit_plugin/config.py"
-ZERO_ONE = "onebit_plugin/zero_one.py"
-LOCAL = "onebit_plugin/local_steps.py"
-AVERAGE = "onebit_plugin/gradient_average.py"
+OPT = "onebit_plugin/members/onebit_adam.py"
+HOOK = "onebit_plugin/entry/ddp_hook.py"
+AR = "onebit_plugin/comm/allreduce.py"
+COLL = "onebit_plugin/comm/collectives.py"
+UNIT = "onebit_plugin/core/momentum.py"
+BASE = "onebit_plugin/core/base.py"
+CKPT = "onebit_plugin/core/checkpoint.py"
+CHECKS = "onebit_plugin/core/rank_checks.py"
+MASKS = "onebit_plugin/maths/masks.py"
+CONFIG = "onebit_plugin/settings/config.py"
+ZERO_ONE = "onebit_plugin/members/zero_one_adam.py"
+LOCAL = "onebit_plugin/members/local_steps.py"
+AVERAGE = "onebit_plugin/core/gradient_average.py"
 
 MUTANTS = [
     # ---------------------------------------------------------------- issue 27's findings
@@ -143,10 +144,10 @@ MUTANTS = [
        "test_freeze_step_auto_freezes_at_the_ceiling_of_a_real_trainer_run"),
     # -------------------------------------------------------- docs/guarantees.md, row by row
     _m("warmup-bias-correction", "row: warm-up is torch Adam bit for bit",
-       "onebit_plugin/update.py", "        torch._foreach_div_(denoms, roots[start:end])\n",
+       "onebit_plugin/maths/update.py", "        torch._foreach_div_(denoms, roots[start:end])\n",
        "        torch._foreach_mul_(denoms, [1 / r for r in roots[start:end]])\n",
        "tests/test_optimizer.py::test_warmup_equals_torch_adam_bitwise"),
-    _m("lockstep-sees-nothing", "row: lockstep", "onebit_plugin/lockstep.py",
+    _m("lockstep-sees-nothing", "row: lockstep", "onebit_plugin/entry/lockstep.py",
        "        if torch.equal(other, gathered[0]):\n", "        if True:\n",
        "tests/test_bad_input.py::test_check_lockstep_passes_and_catches_one_ulp"),
     _m("resume-other-world-size", "row: another world size restarts the error feedback", CKPT,
@@ -158,22 +159,22 @@ MUTANTS = [
        "            if self.submitted:\n", "            if False:\n",
        "tests/test_ddp_hook.py::test_the_last_buckets_hook_returns_after_every_unit_is_averaged"),
     # The C update pass (the CPU default) gets the bound as this argument.
-    _m("unbounded-steps", "row: bounded steps", "onebit_plugin/update.py",
+    _m("unbounded-steps", "row: bounded steps", "onebit_plugin/maths/update.py",
        "None if bound is None else corrections[i] * bound))", "None))",
        "tests/test_bounded_steps.py::test_a_rarely_seen_coordinate_moves_at_most_lr_per_step"),
-    _m("auto-ceiling-25", "row: freeze_step='auto'", "onebit_plugin/freeze.py",
+    _m("auto-ceiling-25", "row: freeze_step='auto'", "onebit_plugin/maths/freeze.py",
        "CEILING = 0.20", "CEILING = 0.25",
        "tests/test_auto_freeze.py::test_drifting_gradients_freeze_at_the_ceiling"),
     _m("nonfinite-not-skipped", "row: a non-finite gradient skips the step everywhere", AR,
        "        if not bool(torch.isfinite(w.all_scales).all()):\n            return False\n",
        "        if False:\n            return False\n",
        "tests/test_nonfinite.py::test_nonfinite_gradient_on_one_rank_skips_the_step_on_all"),
-    _m("no-own-group-timeout", "row: faults (processes end within comm_timeout)", AR,
+    _m("no-own-group-timeout", "row: faults (processes end within comm_timeout)", COLL,
        "        return dist.new_group(ranks=ranks, timeout=timeout, **eager)",
        "        return dist.new_group(ranks=ranks, **eager)",
        "tests/test_faults.py::test_survivor_fails_clearly_and_exits_within_the_timeout"
        "[hang-optimizer-side]"),
-    _m("nccl-waits-sleep-a-millisecond", "row: GPU path, what the CPU can show", AR,
+    _m("nccl-waits-sleep-a-millisecond", "row: GPU path, what the CPU can show", COLL,
        "        if timeout is not None and _is_nccl(group):",
        "        if False:",
        "tests/test_faults.py::"
@@ -189,23 +190,24 @@ MUTANTS = [
        "    if True:\n        yield",
        "tests/test_rank_states.py::"
        "test_the_strategies_read_checkpoints_through_the_own_rank_reader"),
-    _m("auto-check-holds-every-root", "row: freeze_step='auto'", "onebit_plugin/freeze.py",
+    _m("auto-check-holds-every-root", "row: freeze_step='auto'", "onebit_plugin/maths/freeze.py",
        "        then_step, then = self.snapshots[0]\n",
        "        then_step, then = self.snapshots[0]\n"
        "        now = [lambda t=t: t for t in [r() for r in now]]\n",
        "tests/test_auto_freeze.py::"
        "test_a_check_holds_one_parameters_roots_at_a_time_and_reuses_the_oldest_snapshot"),
-    _m("auto-snapshot-memory-not-reused", "row: freeze_step='auto'", "onebit_plugin/freeze.py",
+    _m("auto-snapshot-memory-not-reused", "row: freeze_step='auto'",
+       "onebit_plugin/maths/freeze.py",
        "kept.append(_to_host(r, o))", "kept.append(_to_host(r, None))",
        "tests/test_auto_freeze.py::"
        "test_a_check_holds_one_parameters_roots_at_a_time_and_reuses_the_oldest_snapshot"),
     _m("negligible-root-reads-every-piece", "row: GPU path, what the CPU can show",
-       "onebit_plugin/masks.py",
+       "onebit_plugin/maths/masks.py",
        "    total = sum(torch.stack(pieces).tolist()) if pieces else 0",
        "    total = sum(float(x) for x in pieces)",
        "tests/test_auto_freeze.py::"
        "test_the_masking_threshold_reads_one_number_back_not_one_per_piece"),
-    _m("changed-momentum-never-seen", "row: clipping", "onebit_plugin/handoff.py",
+    _m("changed-momentum-never-seen", "row: clipping", "onebit_plugin/core/handoff.py",
        "    if not pairs:\n        return []\n", "    return [False] * len(pairs)\n",
        "tests/test_clipping.py::"
        "test_an_unchanged_averaged_momentum_is_not_compared_a_changed_one_is_kept_beside_local"),
@@ -213,15 +215,15 @@ MUTANTS = [
        "flat[:head].tolist() if missing else [1.0] * head", "[1.0] * head",
        "tests/test_optimizer.py::"
        "test_warmup_allreduce_goes_in_chunks_all_started_before_the_first_wait"),
-    _m("sketch-whole-gradient", "row: clipping", "onebit_plugin/norm_sketch.py",
+    _m("sketch-whole-gradient", "row: clipping", "onebit_plugin/maths/norm_sketch.py",
        "SKETCH_PIECE = 1 << 20", "SKETCH_PIECE = 1 << 40",
        "tests/test_clipping.py::test_a_sketch_goes_in_pieces_and_its_signs_may_be_drawn_again"),
-    _m("sketch-signs-drawn-again-differ", "row: clipping", "onebit_plugin/norm_sketch.py",
+    _m("sketch-signs-drawn-again-differ", "row: clipping", "onebit_plugin/maths/norm_sketch.py",
        "        gen = torch.Generator(device=p.device).manual_seed(_SEED + self.index[p])",
        "        gen = torch.Generator(device=p.device).manual_seed(_SEED - self.index[p])",
        "tests/test_clipping.py::test_a_sketch_goes_in_pieces_and_its_signs_may_be_drawn_again"),
     _m("fingerprint-every-gradient-at-once", "row: GPU path, what the CPU can show",
-       "onebit_plugin/rank_checks.py",
+       "onebit_plugin/core/rank_checks.py",
        "    sums = []\n    for p in params:\n",
        "    sums = []\n    held = [q.grad.double() for q in params if q.grad is not None]\n"
        "    for p in params:\n",
@@ -232,13 +234,13 @@ MUTANTS = [
        "    if given is not None and not _is_torch_io(given):", "    if given is not None:",
        "tests/test_rank_states.py::"
        "test_the_strategies_read_checkpoints_through_the_own_rank_reader"),
-    _m("backend-per-device-not-nccl", "row: GPU path, what the CPU can show", AR,
+    _m("backend-per-device-not-nccl", "row: GPU path, what the CPU can show", COLL,
        '    return "nccl" in str(backend)', '    return str(backend) == "nccl"',
        "tests/test_faults.py::test_nccl_watchdog_waits_longer_than_comm_timeout",
        "tests/test_faults.py::"
        "test_an_nccl_wait_with_comm_timeout_polls_instead_of_sleeping_a_millisecond"),
     _m("auto-snapshots-kept-after-the-freeze", "row: freeze_step='auto'",
-       "onebit_plugin/freeze.py",
+       "onebit_plugin/maths/freeze.py",
        "            self.snapshots = []  # warm-up only", "            pass  # warm-up only",
        "tests/test_auto_freeze.py::test_stationary_gradients_freeze_at_the_first_settled_check"),
     _m("validation-between-syncs-not-synced", "row: 0/1 Adam",
@@ -246,7 +248,7 @@ MUTANTS = [
        "                opt.sync_local_steps()  # every rank validates",
        "                pass  # every rank validates",
        "tests/test_zero_one.py::test_a_validation_between_syncs_is_said_once_or_synced_first"),
-    _m("subgroup-made-world-wide", "row: a data-parallel subgroup", AR,
+    _m("subgroup-made-world-wide", "row: a data-parallel subgroup", COLL,
        "use_local_synchronization=True, **eager)",
        "**eager)",
        "tests/test_faults.py::test_a_data_parallel_subgroup_makes_its_own_group_alone"),
@@ -319,7 +321,7 @@ MUTANTS = [
        "tl.div_rn(total, world.to(tl.float32))", "total / world",
        "tests/test_kernels.py::test_kernels_compile_for_a_gpu_without_one"),
     _m("clip-coefficient-ignored", "row: clipping with Adam's meaning",
-       "onebit_plugin/handoff.py",
+       "onebit_plugin/core/handoff.py",
        "        coef = self.clip_coef if self.clip_coef is not None and self.clip_coef < 1 "
        "else None\n", "        coef = None\n",
        "tests/test_clipping.py::test_single_process_clips_the_gradient_inside_the_momentum"),
@@ -396,7 +398,7 @@ MUTANTS = [
        "tests/test_zero_one.py::"
        "test_a_local_step_is_bounded_at_sqrt_w_lr_and_the_common_point_at_lr"),
     _m("zero-one-denominators-not-refreshed", "row: 0/1 Adam's phase A",
-       "onebit_plugin/compression_stage.py",
+       "onebit_plugin/core/compression_stage.py",
        "    refresh_denominators(opt.units, opt.state,",
        "    (lambda *a: None)(opt.units, opt.state,",
        "tests/test_zero_one.py::"
@@ -422,7 +424,7 @@ MUTANTS = [
        "tests/test_memory.py::"
        "test_zero_one_drops_the_variance_when_phase_b_begins_and_keeps_no_fold_buffer"),
     # 1-bit LAMB and DeepSpeed configs (issue 31)
-    _m("lamb-no-trust-ratio", "row: 1-bit LAMB", "onebit_plugin/lamb_update.py",
+    _m("lamb-no-trust-ratio", "row: 1-bit LAMB", "onebit_plugin/maths/lamb_update.py",
        "        ratio = trust_ratio(p, u, max_coeff=max_coeff, min_coeff=min_coeff)\n",
        "        ratio = 1.0\n", "tests/test_lamb.py::test_the_warm_up_is_lamb"),
     _m("lamb-unbounded", "row: 1-bit LAMB", UNIT,
@@ -434,30 +436,30 @@ MUTANTS = [
        "        x = self.fold(grads).materialize().div_(self.denom)\n",
        "        x = self.fold(grads).materialize()\n",
        "tests/test_lamb.py::test_each_rank_sends_its_momentum_over_the_denominator_clamped_at_3"),
-    _m("lamb-auto-ceiling-adams", "row: 1-bit LAMB", "onebit_plugin/lamb.py",
+    _m("lamb-auto-ceiling-adams", "row: 1-bit LAMB", "onebit_plugin/members/onebit_lamb.py",
        "    auto_ceiling = 0.15\n", "    auto_ceiling = 0.20\n",
        "tests/test_lamb.py::test_auto_freezes_at_15_percent_of_the_run_at_the_latest"),
     _m("lamb-inf-clamped-to-finite", "row: 1-bit LAMB", UNIT,
        "            x.masked_fill_(finite.logical_not(), math.nan)\n", "",
        "tests/test_lamb.py::test_a_non_finite_gradient_skips_the_step_instead_of_being_clamped"),
-    _m("lamb-factor-unthresholded", "row: 1-bit LAMB", "onebit_plugin/lamb_update.py",
+    _m("lamb-factor-unthresholded", "row: 1-bit LAMB", "onebit_plugin/maths/lamb_update.py",
        "    return min(max(factor, last * (1.0 - factor_threshold)), "
        "last * (1.0 + factor_threshold))", "    return factor",
        "tests/test_lamb.py::test_the_factor_is_clipped_to_its_bounds_and_to_its_relative_change"),
-    _m("lamb-frozen-ratio-raw", "row: 1-bit LAMB", "onebit_plugin/lamb.py",
+    _m("lamb-frozen-ratio-raw", "row: 1-bit LAMB", "onebit_plugin/members/onebit_lamb.py",
        'state.get("lamb_coeff", 0.0) / weight if weight else 1.0',
        'state.get("lamb_coeff", 0.0) if weight else 1.0',
        "tests/test_lamb.py::"
        "test_the_frozen_ratio_is_the_bias_corrected_average_of_the_warm_up_ratios"),
     _m("deepspeed-unknown-key-accepted", "row: 1-bit LAMB",
-       "onebit_plugin/deepspeed_config.py",
+       "onebit_plugin/entry/deepspeed_config.py",
        "    unknown = sorted(set(given) - set(accepted))", "    unknown = []",
        "tests/test_deepspeed_config.py::test_bad_configs_are_refused_by_name"),
-    _m("deepspeed-mask-dropped", "row: 1-bit LAMB", "onebit_plugin/deepspeed_config.py",
+    _m("deepspeed-mask-dropped", "row: 1-bit LAMB", "onebit_plugin/entry/deepspeed_config.py",
        "    params, masks = _masks_of_groups(list(params))", "    masks = {}",
        "tests/test_deepspeed_config.py::test_deepspeeds_momentum_mask_becomes_a_mask"),
     _m("zero-one-refresh-before-the-units", "row: 0/1 Adam's phase A",
-       "onebit_plugin/compression_stage.py",
+       "onebit_plugin/core/compression_stage.py",
        "    opt.units  # noqa: B018 - built on first use\n", "",
        "tests/test_zero_one.py::test_resume_is_bitwise_in_every_phase[9]"),
     _m("zero-one-hook-sends-in-local-steps", "row: a local step sends nothing", LOCAL,
@@ -479,7 +481,7 @@ MUTANTS = [
        "test_between_syncs_each_rank_resumes_its_own_parameters_from_rank_0s_checkpoint"),
     # ------------------------------------------------------------ the seams (issue 43)
     _m("exchange-not-consulted", "issue 43: the policy's exchange is the one that runs",
-       "onebit_plugin/policy.py", "            return self.warmup\n",
+       "onebit_plugin/core/policy.py", "            return self.warmup\n",
        "            return GradientAverage(warmup_step)\n",
        "tests/test_exchanges.py::"
        "test_the_policys_exchanges_are_called_by_step_clipping_and_the_hook_on_both_paths"),
@@ -489,12 +491,12 @@ MUTANTS = [
        "tests/test_exchanges.py::"
        "test_the_policys_exchanges_are_called_by_step_clipping_and_the_hook_on_both_paths"),
     _m("import-circle", "issue 43: no import circle, function-level imports included",
-       "onebit_plugin/schedule.py", "\n\n__all__ = [\"ZeroOneSchedule\"",
-       "\n\n\ndef _late():\n    from onebit_plugin import policy  # noqa: F401\n\n\n"
+       "onebit_plugin/settings/schedule.py", "\n\n__all__ = [\"ZeroOneSchedule\"",
+       "\n\n\ndef _late():\n    from onebit_plugin.core import policy  # noqa: F401\n\n\n"
        "__all__ = [\"ZeroOneSchedule\"",
        "tests/test_layout.py::test_no_import_circle_in_the_core"),
     _m("topology-group-not-used", "issue 43: the collectives take the topology's group",
-       "onebit_plugin/topology.py",
+       "onebit_plugin/comm/topology.py",
        "            self._group = new_group(self.process_group, timeout, device)\n",
        "            self._group = new_group(None, timeout, device)\n",
        "tests/test_faults.py::test_a_data_parallel_subgroup_makes_its_own_group_alone"),

@@ -127,7 +127,7 @@ def test_mask_keeps_coordinates_at_exact_zero():
 def test_cuda_without_an_index_means_the_current_gpu(monkeypatch):
     """``device="cuda"`` must compare equal to the ``cuda:N`` of the tensors made on it
     (``torch.device("cuda") != torch.device("cuda:0")``)."""
-    from onebit_plugin.allreduce import resolve_device
+    from onebit_plugin.comm.collectives import resolve_device
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert resolve_device("cuda") == torch.device("cuda", 3)
@@ -136,7 +136,7 @@ def test_cuda_without_an_index_means_the_current_gpu(monkeypatch):
 
 
 def _submit_in_child(queue):
-    from onebit_plugin.allreduce import comm_executor
+    from onebit_plugin.comm.collectives import comm_executor
 
     queue.put(comm_executor(None).submit(lambda: "ran").result(timeout=30))
 
@@ -147,7 +147,7 @@ def test_a_forked_child_runs_its_own_background_thread():
     the child does not have (every job would wait forever)."""
     import multiprocessing as mp
 
-    from onebit_plugin.allreduce import comm_executor
+    from onebit_plugin.comm.collectives import comm_executor
 
     assert comm_executor(None).submit(lambda: "parent").result(timeout=30) == "parent"
     ctx = mp.get_context("fork")

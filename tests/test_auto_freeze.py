@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from onebit_plugin import OneBitAdam, check_lockstep
-from onebit_plugin.freeze import CEILING, SETTLED, is_check_step
+from onebit_plugin.maths.freeze import CEILING, SETTLED, is_check_step
 from tests.dist_helpers import assert_ranks_identical, run_ranks
 
 
@@ -29,7 +29,7 @@ def test_stationary_gradients_freeze_at_the_first_settled_check(caplog):
     assert opt.stage == "compression"
     assert is_check_step(opt.switch_step) and opt.switch_step < 200
     assert opt.auto_freeze.last["change"] <= SETTLED  # what it froze on
-    from onebit_plugin.memory import buffer_bytes
+    from onebit_plugin.core.memory import buffer_bytes
 
     assert "auto-freeze snapshots" not in buffer_bytes(opt)  # warm-up only: freed
     said = [r.message for r in caplog.records if "freeze_step='auto' froze" in r.message]
@@ -113,8 +113,8 @@ def test_a_check_holds_one_parameters_roots_at_a_time_and_reuses_the_oldest_snap
     oldest one's memory, and the check computes one parameter's roots at a time: live float32
     values, counted at torch's dispatcher during the third check, stay within a few times
     the largest parameter (issue 33, item 4). The change it measures is the same number."""
-    from onebit_plugin.freeze import AutoFreeze, current_roots
-    from onebit_plugin.masks import negligible_root
+    from onebit_plugin.maths.freeze import AutoFreeze, current_roots
+    from onebit_plugin.maths.masks import negligible_root
     from tests.live_values import LiveValues
 
     torch.manual_seed(0)
@@ -156,7 +156,7 @@ def test_the_masking_threshold_reads_one_number_back_not_one_per_piece():
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from onebit_plugin.masks import NEGLIGIBLE_VARIANCE, negligible_root
+    from onebit_plugin.maths.masks import NEGLIGIBLE_VARIANCE, negligible_root
 
     reads = []
 

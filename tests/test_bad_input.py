@@ -158,7 +158,7 @@ def test_the_gradient_fingerprint_holds_one_gradient_in_float64_at_a_time():
     gradient to float64 at once: 8 more bytes per parameter alive together. Live float64 values
     are counted at torch's dispatcher while it runs: at most the largest gradient's (and its
     square's), not the sum of all of them (issue 33, item 3)."""
-    from onebit_plugin.rank_checks import grad_fingerprint
+    from onebit_plugin.core.rank_checks import grad_fingerprint
     from tests.live_values import LiveValues
 
     params = [torch.nn.Parameter(torch.randn(n)) for n in (1000, 3000, 2000, 500)]

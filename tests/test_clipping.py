@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from onebit_plugin import OneBitAdam
-from onebit_plugin.ddp_hook import register_onebit_hook
+from onebit_plugin.entry.ddp_hook import register_onebit_hook
 from tests.dist_helpers import assert_ranks_identical, run_ranks
 
 MAX_NORM = 0.3  # below the gradients' norms of these models (about 0.5-1.5): clipping acts
@@ -137,7 +137,7 @@ def test_compression_stage_momentum_is_adams_with_the_clipped_mean_gradient():
 
 
 def test_the_norm_sketch_is_unbiased_and_close():
-    from onebit_plugin.norm_sketch import NormSketch, squared_norm
+    from onebit_plugin.maths.norm_sketch import NormSketch, squared_norm
 
     gen = torch.Generator().manual_seed(0)
     ratios = []
@@ -311,7 +311,7 @@ def _compares_worker(rank, world, clip):
     """Several DDP buckets with bucket views: most units averaged in backward, the last
     bucket's left to step(). Counts the optimizer's value comparisons of p.grad; with ``clip``,
     torch clips every p.grad before the last step."""
-    import onebit_plugin.handoff as handoff
+    import onebit_plugin.core.handoff as handoff
 
     model = DDP(_mlp(), gradient_as_bucket_view=True, bucket_cap_mb=0.002)  # 500 values
     opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
@@ -376,7 +376,7 @@ def test_a_sketch_goes_in_pieces_and_its_signs_may_be_drawn_again():
     sketch instead of kept (1 byte per parameter). On the CPU drawing again gives the very
     signs kept, so both give the same sketch, which is the definition's: sum of s_i g_i per
     bucket i mod width."""
-    from onebit_plugin.norm_sketch import SKETCH_PIECE, NormSketch
+    from onebit_plugin.maths.norm_sketch import SKETCH_PIECE, NormSketch
     from tests.live_values import LiveValues
 
     n, width = 3 * SKETCH_PIECE + 777, 300  # pieces of whole rows, a ragged end

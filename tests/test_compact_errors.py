@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from onebit_plugin import CompressedAllreduce, OneBitAdam
-from onebit_plugin.compression import round_to_bf16_
-from onebit_plugin.memory import buffer_bytes
+from onebit_plugin.core.memory import buffer_bytes
+from onebit_plugin.wire.compression import round_to_bf16_
 from tests.dist_helpers import resume, run_ranks, save_for_resume
 
 

@@ -10,10 +10,10 @@ import textwrap
 import pytest
 import torch
 
-from onebit_plugin import compression as C
-from onebit_plugin.compression import ChunkLayout, CoordinateMask
-from onebit_plugin.deferred import Fold
 from onebit_plugin.kernels import cpu
+from onebit_plugin.wire import compression as C
+from onebit_plugin.wire.compression import ChunkLayout, CoordinateMask
+from onebit_plugin.wire.deferred import Fold
 from tests.procs import owned_processes
 
 if cpu.library() is None:  # said in the log: this machine has no C compiler
@@ -182,7 +182,7 @@ def test_the_update_pass_equals_the_torch_passes(bounded, decay):
     bit, with the averaged momentum copied into the optimizer's on the way: ragged sizes, a
     tensor above the threaded size, ratios inside and outside the clamp, steps of three bias
     corrections, and a NaN kept through the clamp."""
-    from onebit_plugin.update import _frozen_update_passes
+    from onebit_plugin.maths.update import _frozen_update_passes
 
     gen = torch.Generator().manual_seed(5)
     sizes = [1, 7, 1001, 70001, cpu.PARALLEL_FROM + 13]
@@ -220,7 +220,7 @@ def test_the_update_pass_equals_the_torch_passes(bounded, decay):
 def test_the_background_thread_runs_the_passes_on_one_thread():
     """Beside backward (OneBitAdam's background thread) a large pass takes one thread; in
     step() (here, the main thread) torch's intra-op thread count."""
-    from onebit_plugin.allreduce import comm_executor
+    from onebit_plugin.comm.collectives import comm_executor
 
     big = cpu.PARALLEL_FROM
     threads = torch.get_num_threads()
@@ -250,7 +250,7 @@ def test_the_cpu_path_is_the_default_and_rejects_what_it_cannot_read():
 _CHILD = textwrap.dedent("""
     import logging, time, torch
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    from onebit_plugin import compression as C
+    from onebit_plugin.wire import compression as C
     from onebit_plugin.kernels import cpu
     start = time.perf_counter()
     lay = C.ChunkLayout.create(5000, 2, 2048)
@@ -276,7 +276,7 @@ def _child(env):
 def test_a_bad_setting_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("ONEBIT_CPU_KERNEL", "fast")
     monkeypatch.setattr(cpu, "_state", {})
-    from onebit_plugin.dispatch import cpu_kernel
+    from onebit_plugin.wire.dispatch import cpu_kernel
 
     with pytest.raises(ValueError, match="ONEBIT_CPU_KERNEL must be 1 or 0 .+ got 'fast'"):
         cpu_kernel()
@@ -362,7 +362,7 @@ def test_the_update_pass_decodes_an_encoded_average_as_the_decode_would(bounded,
     tiles, masked values, one part above the threaded size) gives the bits of the decode
     followed by the update, and copies the decoded average; its fallback decode is the
     decode's."""
-    from onebit_plugin.deferred import Encoded
+    from onebit_plugin.wire.deferred import Encoded
 
     sizes = [1, 7, 1001, 70001, cpu.PARALLEL_FROM + 13]
     gen, layout, mask, packed, scales, decoded = _encoded_average(3 + sum(sizes), 3, 136, 0.2, 9)
@@ -399,8 +399,8 @@ def test_frozen_update_takes_encoded_parts_and_decodes_those_it_cannot_read_so()
     """frozen_update_ with encoded averages equals it with the decoded ones; a parameter the
     C pass cannot read (a transposed view) has its part decoded into the fallback and goes
     through the torch passes."""
-    from onebit_plugin.deferred import Encoded
-    from onebit_plugin.update import frozen_update_
+    from onebit_plugin.maths.update import frozen_update_
+    from onebit_plugin.wire.deferred import Encoded
 
     shapes = [(30, 17), (5,), (64, 40)]
     numel = sum(torch.Size(s).numel() for s in shapes)

@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from onebit_plugin import OneBitAdam, check_lockstep
-from onebit_plugin.ddp_hook import register_onebit_hook
+from onebit_plugin.entry.ddp_hook import register_onebit_hook
 from tests.dist_helpers import assert_ranks_identical, run_ranks
 
 
@@ -219,8 +219,8 @@ def _async_worker(rank, world):
     import threading
     import time
 
-    from onebit_plugin.ddp_hook import OneBitHookState, onebit_hook
-    from onebit_plugin.momentum import MomentumUnit
+    from onebit_plugin.core.momentum import MomentumUnit
+    from onebit_plugin.entry.ddp_hook import OneBitHookState, onebit_hook
 
     # Several buckets and units, no bucket views: every unit is averaged inside backward.
     ddp = DDP(_mlp(depth=4), bucket_cap_mb=0.001)
@@ -284,7 +284,7 @@ def test_a_units_average_completes_after_its_hook_returned_and_before_backward_r
 def _drain_worker(rank, world):
     import time
 
-    from onebit_plugin.ddp_hook import OneBitHookState, onebit_hook
+    from onebit_plugin.entry.ddp_hook import OneBitHookState, onebit_hook
 
     ddp = DDP(_mlp(depth=4), bucket_cap_mb=0.001, find_unused_parameters=True)
     opt = OneBitAdam(ddp.parameters(), lr=1e-2, freeze_step=1)
@@ -324,7 +324,7 @@ def test_the_last_buckets_hook_returns_after_every_unit_is_averaged():
 
 
 def _idle_drain_worker(rank, world):
-    import onebit_plugin.ddp_hook as hook_module
+    import onebit_plugin.entry.ddp_hook as hook_module
 
     drains, real = [], hook_module.comm_executor
     hook_module.comm_executor = lambda group: (drains.append(group), real(group))[1]

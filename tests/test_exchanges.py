@@ -7,9 +7,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from onebit_plugin import OneBitAdam, ZeroOneAdam, register_onebit_hook
-from onebit_plugin.exchanges import MomentumStep
-from onebit_plugin.gradient_average import GradientAverage
-from onebit_plugin.step_kinds import EXACT, LOCAL, MOMENTUM, SYNC
+from onebit_plugin.core.exchanges import MomentumStep
+from onebit_plugin.core.gradient_average import GradientAverage
+from onebit_plugin.settings.step_kinds import EXACT, LOCAL, MOMENTUM, SYNC
 from tests.dist_helpers import run_ranks
 
 FREEZE, STEPS = 3, 6

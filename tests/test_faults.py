@@ -142,7 +142,7 @@ def test_an_nccl_wait_with_comm_timeout_polls_instead_of_sleeping_a_millisecond(
 
     import torch.distributed as dist
 
-    from onebit_plugin import allreduce
+    from onebit_plugin.comm import collectives as allreduce
 
     aborted, slept = [], []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
@@ -176,7 +176,7 @@ def test_a_timed_out_group_is_aborted_on_nccl_only(monkeypatch, backend):
 
     import torch.distributed as dist
 
-    from onebit_plugin import allreduce
+    from onebit_plugin.comm import collectives as allreduce
 
     aborted = []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
@@ -199,7 +199,7 @@ def test_nccl_watchdog_waits_longer_than_comm_timeout(monkeypatch, backend):
 
     import torch.distributed as dist
 
-    from onebit_plugin.allreduce import new_group
+    from onebit_plugin.comm.collectives import new_group
 
     made = []
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
@@ -222,7 +222,7 @@ def test_an_nccl_group_makes_its_communicator_when_it_is_made(monkeypatch, backe
     into the compression stage does not make it on the background thread inside backward."""
     import torch.distributed as dist
 
-    from onebit_plugin.allreduce import new_group
+    from onebit_plugin.comm.collectives import new_group
 
     made = []
     monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from onebit_plugin import compression as ref
-from onebit_plugin.compression import ChunkLayout, CoordinateMask
+from onebit_plugin.wire import compression as ref
+from onebit_plugin.wire.compression import ChunkLayout, CoordinateMask
 
 kernels = pytest.importorskip("onebit_plugin.kernels")
 

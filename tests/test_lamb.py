@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from onebit_plugin import OneBitLamb, check_lockstep, register_onebit_hook
-from onebit_plugin.lamb_update import lamb_factor
+from onebit_plugin.maths.lamb_update import lamb_factor
 from tests.dist_helpers import resume, run_ranks, save_for_resume
 
 

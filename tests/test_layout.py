@@ -89,7 +89,7 @@ def _core_arrows() -> dict[str, set[str]]:
 
 def test_no_import_circle_in_the_core():
     arrows = _core_arrows()
-    assert "onebit_plugin.base" in arrows and arrows["onebit_plugin.base"]
+    assert "onebit_plugin.core.base" in arrows and arrows["onebit_plugin.core.base"]
     done, path = set(), []
 
     def visit(name):
@@ -106,3 +106,28 @@ def test_no_import_circle_in_the_core():
 
     for name in sorted(arrows):
         visit(name)
+
+
+# The core's layers, bottom first: a module imports only from its own layer or one below
+# (docs/design.md, "Layout of the code"); comm and maths, side by side, not from each other.
+LAYERS = {"settings": 0, "wire": 1, "comm": 2, "maths": 2, "core": 3, "members": 4, "entry": 5}
+
+
+def test_the_cores_layers_import_downwards_only():
+    arrows = _core_arrows()
+    packages = {name.split(".")[1] for name in arrows if name.count(".") >= 1}
+    assert packages == set(LAYERS), packages  # every module in a layer, every layer present
+    for source, targets in arrows.items():
+        layer = source.split(".")[1]
+        for target in targets:
+            other = target.split(".")[1]
+            assert LAYERS[other] < LAYERS[layer] or other == layer, f"{source} imports {target}"
+
+
+def test_no_folder_of_the_core_holds_more_than_15_modules_nor_a_module_450_lines():
+    for folder in [ROOT / "onebit_plugin", *(ROOT / "onebit_plugin" / name for name in LAYERS)]:
+        modules = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
+        assert len(modules) <= 15, f"{folder.name}: {len(modules)} modules"
+        for path in modules:
+            lines = len(path.read_text().splitlines())
+            assert lines <= 450, f"{path.relative_to(ROOT)}: {lines} lines"

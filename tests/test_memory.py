@@ -7,8 +7,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from onebit_plugin import OneBitAdam, ZeroOneAdam, register_onebit_hook
-from onebit_plugin.dispatch import cpu_kernel
-from onebit_plugin.memory import buffer_bytes
+from onebit_plugin.core.memory import buffer_bytes
+from onebit_plugin.wire.dispatch import cpu_kernel
 from tests.dist_helpers import run_ranks
 
 

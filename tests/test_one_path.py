@@ -15,7 +15,7 @@ from onebit_plugin import (
     frozen_denominator,
     frozen_update_,
 )
-from onebit_plugin.ddp_hook import register_onebit_hook
+from onebit_plugin.entry.ddp_hook import register_onebit_hook
 from tests.dist_helpers import assert_ranks_identical, run_ranks
 
 FREEZE, STEPS, LR, CAP_MB = 3, 10, 1e-2, 0.004  # 0.004 MB: about 1,000 fp32 values per unit

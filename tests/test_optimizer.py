@@ -37,7 +37,7 @@ def _loss(model, batch):
 )
 def test_warmup_equals_torch_adam_bitwise(weight_decay, decoupled, reference, run_values,
                                           monkeypatch):
-    monkeypatch.setattr("onebit_plugin.update.ADAM_RUN_VALUES", run_values)
+    monkeypatch.setattr("onebit_plugin.maths.update.ADAM_RUN_VALUES", run_values)
     ours, theirs = _model(), _model()
     frozen = ours[2].bias
     frozen.requires_grad_(False)
@@ -97,7 +97,7 @@ def _chunked_warmup_worker(rank, world):
     is skipped)."""
     import torch.distributed as dist
 
-    import onebit_plugin.gradient_average as warmup_module
+    import onebit_plugin.core.gradient_average as warmup_module
 
     warmup_module.WARMUP_CHUNK_BYTES = 1600
     events, reduce = [], dist.all_reduce

@@ -147,7 +147,7 @@ def test_lightning_says_it_at_the_start_and_at_the_end():
 
 
 def test_a_misspelt_variable_gets_the_nearest_name(monkeypatch):
-    from onebit_plugin.config import settings_from_env
+    from onebit_plugin.settings.config import settings_from_env
 
     for name in [k for k in __import__("os").environ if k.startswith("ONEBIT_")]:
         monkeypatch.delenv(name)

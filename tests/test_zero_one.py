@@ -12,13 +12,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from onebit_plugin import ZeroOneAdam, register_onebit_hook
-from onebit_plugin.schedule import (
+from onebit_plugin.members.zero_one_adam import auto_local_step_scaler
+from onebit_plugin.settings.schedule import (
     ZeroOneSchedule,
     auto_var_freeze_step,
     refreshes_until,
     refreshes_variance,
 )
-from onebit_plugin.zero_one import auto_local_step_scaler
 from tests.dist_helpers import resume, run_ranks, save_for_resume
 
 
@@ -157,7 +157,7 @@ def test_a_phase_a_state_from_before_steps_weighted_refreshes_is_a_clear_error()
         fresh.load_state_dict(saved)
     assert not fresh.state and fresh.global_step == 0  # refused before anything was loaded
     model, opt = run(25)  # phase B, between syncs (they fall at 24 and 28)
-    assert opt.phase == "B" and opt.local_steps.steps == 1
+    assert opt.phase == "B" and opt.policy.local.steps == 1
     saved = opt.state_dict()
     # Between syncs the state holds this rank's own parameters: plain tensors, no graph.
     assert not any(t.requires_grad for t in saved["onebit"]["local_steps"]["params"])
@@ -171,7 +171,7 @@ def test_in_one_process_a_sync_lands_where_the_local_steps_went(monkeypatch):
     """One rank: the average is its own ``y``, so the landing (from ``u``, the common point and
     ``D``, ``L``) must be the local trajectory's end, to rounding and the bias correction taken
     at the sync's step: within 0.1% of one step's size (2e-7 measured against lr 1e-3)."""
-    from onebit_plugin.local_steps import LocalSteps
+    from onebit_plugin.members.local_steps import LocalSteps
 
     land, gaps = LocalSteps.land_, []
 

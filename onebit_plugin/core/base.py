@@ -1,0 +1,448 @@
+"""``OneBitOptimizer``: what every member of the 1-bit family shares.
+
+An exact stage first: the member's own update (``Policy.warmup_update_``) on gradients averaged
+across ranks, by the DDP hook or here. When the member's policy says so
+(``Policy.stage_changes``: ``freeze_step``, or ``"auto"``) the variance is frozen and the
+compression stage begins: each rank folds its *local* gradient into the momentum, the momentum
+units (``onebit_plugin.core.momentum``) are averaged by the policy's wire exchange (1-bit, or exact)
+and every rank applies the same update (``Policy.compression_update_``). ``V = sqrt(v_hat) +
+eps`` is then a fixed linear preconditioner, which is what lets error feedback cancel the
+compression error (Tang et al., 2021, Theorem 1). How each step's values cross ranks is the
+step's exchange's, which the policy chooses (``onebit_plugin.core.exchanges``); the step driver
+asks for it and calls it.
+
+Around that, shared by every member: the settings (``onebit_plugin.settings.config``, checked
+once), the
+hand-off with the DDP hook (``onebit_plugin.core.handoff``), clipping
+(``onebit_plugin.core.clipping``),
+rank checks (``onebit_plugin.core.rank_checks``) and checkpoints
+(``onebit_plugin.core.checkpoint``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from onebit_plugin.comm.allreduce import ExactAllreduce, OneBitAllreduce
+from onebit_plugin.comm.byte_counts import ByteCounts
+from onebit_plugin.comm.topology import FlatTopology
+from onebit_plugin.core import checkpoint, compression_stage, rank_checks
+from onebit_plugin.core.clipping import check_clip_args, value_clipping_error
+from onebit_plugin.core.exchanges import StepExchange
+from onebit_plugin.core.handoff import HandOff
+from onebit_plugin.core.momentum import (
+    MomentumUnit,
+    init_states_in_unit_order,
+    new_state,
+    partition,
+)
+from onebit_plugin.core.policy import Policy
+from onebit_plugin.core.run_length import RunLength
+from onebit_plugin.maths.freeze import AutoFreeze
+from onebit_plugin.maths.update import say_if_rounded_away
+from onebit_plugin.settings.config import OneBitConfig
+from onebit_plugin.wire.deferred import as_fp32
+
+__all__ = ["COMPRESSION", "DEFAULT_UNIT_MB", "WARMUP", "OneBitOptimizer"]
+
+log = logging.getLogger("onebit_plugin")
+
+WARMUP = "warmup"
+COMPRESSION = "compression"
+DEFAULT_UNIT_MB = 25.0  # DDP's default bucket size
+
+
+class OneBitOptimizer(Optimizer):
+    """The base of the 1-bit family (``OneBitAdam``; docs/family.md for writing a member).
+
+    Args:
+        params: parameters or parameter groups.
+        defaults: the member's hyperparameters per group (``decoupled_weight_decay`` among them).
+        config: the settings (``onebit_plugin.settings.config.OneBitConfig``), already checked.
+        policy: what the member decides (``onebit_plugin.core.policy.Policy``).
+        masks: optional ``{param: bool tensor of param's shape}``.
+        process_group: group to average over (default: the world, when initialised).
+    """
+
+    def __init__(self, params, defaults: dict, config: OneBitConfig, policy: Policy, *,
+                 masks: dict | None = None, process_group: dist.ProcessGroup | None = None):
+        super().__init__(params, defaults)
+        self.config, self.policy = config, policy
+        self.topology = FlatTopology(process_group)  # every collective's group
+        self.auto_freeze = AutoFreeze(config.total_steps, policy.auto_ceiling) \
+            if config.freeze_step == "auto" else None
+        self._masks = {}
+        for p, m in (masks or {}).items():
+            if m.shape != p.shape:
+                raise ValueError(
+                    f"a mask has shape {tuple(m.shape)}, its parameter {tuple(p.shape)}"
+                )
+            self._masks[p] = m.to(device=p.device, dtype=torch.bool)
+        rank_checks.reject_sharded(self.trainable())
+        say_if_rounded_away(self.trainable(), config.master_weights)
+        devices = {p.device for p in self.trainable()}
+        if len(devices) > 1:
+            raise ValueError(
+                f"{type(self).__name__} needs all parameters on one device, got "
+                f"{sorted(map(str, devices))}"
+            )
+        self.run_length = RunLength(config.total_steps)
+        self.global_step = 0
+        self.switch_step: int | None = None
+        self.skipped_steps = 0  # steps skipped on every rank for a non-finite gradient
+        self._skip_streak = 0
+        self._unit_cap_bytes = int((config.bucket_cap_mb or DEFAULT_UNIT_MB) * 2**20)
+        self.counts = ByteCounts()
+        self._units: list[MomentumUnit] | None = None
+        self._unit_of: dict[torch.Tensor, MomentumUnit] = {}
+        self._steps: torch.Tensor | None = None  # the units' step counters, one tensor
+        self._step_index: dict[torch.Tensor, int] = {}  # param: its place in _steps
+        self._rows: tuple | None = None  # per group, what the update reads (update_rows)
+        self._saved: dict = {}  # the units' errors from a checkpoint, until they are built
+        self.handoff = HandOff()  # what backward leaves for step(), reset once per step
+        self.syncs = 0  # syncs of local steps so far
+        self._said_apart = False
+        self._local_streak = 0
+        self._settings_checked = False
+        self.hooked_params: set | None = None  # what the DDP hook averages, once registered
+        # Set when the first step's gradients were already identical on every rank.
+        self.averaged_elsewhere = False
+        self.run_length.say_if_never(self.freeze_step, False, self._rank)
+
+    # ----------------------------------------------------------------------------- properties
+    @property
+    def stage(self) -> str:
+        return WARMUP if self.switch_step is None else COMPRESSION
+
+    @property
+    def between_syncs(self) -> bool:
+        """Whether the ranks have taken local steps since the last sync: their parameters
+        differ, by design, until the next (the member's policy keeps them)."""
+        return self.policy.apart(self) > 0
+
+    def progress(self) -> dict[str, float]:
+        """What the Lightning callback logs per step, as ``onebit/<name>``: here the stage (0
+        warm-up, 1 compression); a member adds its own."""
+        return {"stage": float(self.switch_step is not None)}
+
+    @property
+    def coming_exchange(self) -> str:
+        """What the coming step exchanges (``onebit_plugin.settings.step_kinds``): ``"exact"`` in
+        warm-up, else the policy's word for step ``global_step + 1``."""
+        return self.exchange_for(self.global_step + 1).kind
+
+    def exchange_for(self, t: int) -> StepExchange:
+        """The exchange of step ``t`` (``global_step`` once it is taken), as the policy chooses
+        it (``onebit_plugin.core.exchanges``): the DDP hook, clipping and ``step()`` call it."""
+        return self.policy.step_exchange(t, self.run_length.total, self.switch_step is not None)
+
+    @property
+    def freeze_step(self) -> int | str:
+        return self.config.freeze_step
+
+    @property
+    def comm_timeout(self) -> timedelta | None:
+        t = self.config.comm_timeout
+        return None if t is None else timedelta(seconds=t)
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def process_group(self) -> dist.ProcessGroup | None:
+        """The group the optimizer averages over (None: the world)."""
+        return self.topology.process_group
+
+    @property
+    def communicator(self) -> OneBitAllreduce | ExactAllreduce:
+        """The compression stage's communicator, the policy's exchange (on the DDP hook's own
+        process group once the hook is registered)."""
+        if self.counts.comm is None:
+            self.counts.attach(self.policy.exchange.communicator(
+                self.comm_group, self.world_size, max_block=self.config.max_block,
+                scale=self.config.scale, timeout=self.comm_timeout,
+                error_dtype=self.config.error_dtype))
+        return self.counts.comm
+
+    @property
+    def units(self) -> list[MomentumUnit]:
+        """The momentum units (built at the first use in the compression stage; empty before)."""
+        if self._units is None and self.switch_step is not None:
+            compression_stage.build_units(self)
+        return self._units or []
+
+    def unit_of(self, p: torch.Tensor) -> MomentumUnit | None:
+        """The momentum unit that holds ``p``'s momentum (compression stage); None for a
+        parameter in none (it was not trainable when the variance froze)."""
+        self.units  # noqa: B018 - built on first use
+        return self._unit_of.get(p)
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.counts.sent
+
+    @property
+    def dense_bytes(self) -> int:
+        return self.counts.dense
+
+    @property
+    def compression_ratio(self) -> float:
+        """``dense_bytes / bytes_sent`` over the run so far (inf while nothing was sent; nan
+        when something else also averaged the gradients: see :attr:`averaged_elsewhere`)."""
+        return self.counts.ratio(self.averaged_elsewhere)
+
+    def count_uncompressed(self, nbytes: int) -> None:
+        """Account an fp32 ring allreduce of ``nbytes`` made for this optimizer (warm-up)."""
+        self.counts.count_exact(nbytes, self.world_size)
+
+    @property
+    def comm_group(self) -> dist.ProcessGroup | None:
+        """The group of all of the optimizer's collectives, its topology's
+        (``onebit_plugin.comm.topology``): with ``comm_timeout`` (and under the DDP hook) one of its
+        own, whose backend timeout is ``comm_timeout``."""
+        return self.topology.comm_group(self.comm_timeout, self._device())
+
+    def use_ddp_hook(self, process_group: dist.ProcessGroup | None, overlap: bool,
+                     bucket_bytes: int, comm_timeout: float | None = None) -> dist.ProcessGroup:
+        """Called by ``register_onebit_hook`` on every rank: DDP's hook averages warm-up
+        gradients from now on; with ``overlap`` also the units, inside backward, sized by DDP's
+        ``bucket_bytes`` unless ``bucket_cap_mb`` was given. ``comm_timeout`` (seconds): an
+        integration's, replacing the optimizer's (before the hook's group is made with it).
+        Returns :attr:`comm_group`."""
+        if comm_timeout is not None:
+            self.config = self.config.replace(comm_timeout=comm_timeout)
+        self.config = self.config.replace(average_grads=False)
+        self.hooked_params = set(self.trainable())
+        if self.config.bucket_cap_mb is None and self._units is None and overlap:
+            self._unit_cap_bytes = int(bucket_bytes)
+        group = self.topology.adopt(process_group, self.comm_timeout, self._device(),
+                                    again=comm_timeout is not None)
+        self.counts.detach()  # resumed before the hook existed: the counts go on
+        return group
+
+    @property
+    def total_steps(self) -> int | None:
+        """The run's optimizer steps, when known (``total_steps``, or ``set_total_steps``)."""
+        return self.run_length.total
+
+    def set_total_steps(self, total_steps: int) -> None:
+        """The run's length in optimizer steps, from whoever knows it (the integrations call
+        it): ``freeze_step="auto"``'s ceiling, and a fixed ``freeze_step`` at or past it is said
+        at once (the run would never compress)."""
+        self.run_length.learn(total_steps)
+        if self.auto_freeze is not None and self.auto_freeze.total_steps is None:
+            self.auto_freeze.total_steps = int(total_steps)
+        self.run_length.say_if_never(self.freeze_step, self.switch_step is not None, self._rank)
+
+    def compresses_within_run(self) -> bool | None:
+        """Whether the compression stage begins before the run ends (None: its length is not
+        known; ``onebit_plugin.core.run_length``)."""
+        return self.run_length.reaches(self.freeze_step, self.switch_step is not None)
+
+    def training_ended(self) -> None:
+        """Training is over (the integrations call it; a loop of one's own may): when it never
+        reached the compression stage, that is said once, on rank 0; when it ended between
+        syncs of local steps (the ranks' parameters differ), that is said on every rank."""
+        self.run_length.say_ended(self.global_step, self.freeze_step,
+                                  self.switch_step is not None, self._rank)
+        if self.between_syncs and not self._said_apart:
+            self._said_apart = True
+            log.warning(
+                "onebit: training ended %d local steps after the last sync: every rank holds "
+                "parameters of its own, and what rank 0 saves or evaluates is rank 0's alone. "
+                "%s, or call optimizer.sync_local_steps() on every rank before saving",
+                self.policy.apart(self),
+                "Give the optimizer the run's length (total_steps=, ONEBIT_TOTAL_STEPS or "
+                "onebit-run --total-steps) so that the last step syncs" if self.total_steps
+                is None else f"The run stopped before the total_steps={self.total_steps} "
+                "the optimizer was given, whose last step syncs")
+
+    @torch.no_grad()
+    def sync_local_steps(self) -> None:
+        """Sync now, between steps: every rank lands on the common point of the local steps
+        taken since the last sync (as the next sync would, without a step of its own). A
+        collective: call it on every rank. Nothing happens at a common point."""
+        if self.between_syncs:
+            self.policy.sync_now(self)
+
+    @property
+    def _rank(self) -> int:
+        return self.topology.rank
+
+    # ------------------------------------------------------------------------------- clipping
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        params=None) -> torch.Tensor:
+        """Clip the averaged gradient's 2-norm to ``max_norm`` for the coming ``step()``, as
+        ``torch.nn.utils.clip_grad_norm_`` does under DDP; call it between backward and
+        ``step()`` instead of torch's (the integrations do). Returns the total norm.
+
+        Warm-up: the averaged gradients are clipped (averaged here first when the optimizer
+        averages them itself), exactly torch's clipping. Compression stage: no rank has the
+        averaged gradient; every rank takes the same coefficient from an unbiased estimate of
+        its norm (``onebit_plugin.core.clipping``) and ``step()`` scales the gradient inside the
+        averaged momentum by it (docs/design.md, "Clipping"). The hook sketches the gradients
+        it folds only once clipping was asked for (checkpoints remember it): a first call in
+        the compression stage under the DDP hook, whose gradients are already folded, does not
+        clip that step, returns nan and says so.
+
+        ``params``, when given, must be the optimizer's trainable parameters (a clip over a
+        subset has no compression-stage counterpart)."""
+        trainable = self.trainable()
+        check_clip_args(max_norm, norm_type, params, trainable)
+        return self.exchange_for(self.global_step + 1).clip_grad_norm_(
+            self, trainable, max_norm, norm_type)
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Always a ``ValueError``: clamping the averaged gradient's coordinates has no
+        compression-stage counterpart (no rank holds that gradient, and clamping is not linear,
+        so it cannot be applied inside the averaged momentum as :meth:`clip_grad_norm_` is).
+        The integrations raise it where a user asks for clipping by value."""
+        raise value_clipping_error(clip_value)
+
+    def trainable(self) -> list[torch.Tensor]:
+        # Fixed order, the same on every rank: the units are cut from it.
+        return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+
+    def _device(self) -> torch.device:
+        trainable = self.trainable()
+        return trainable[0].device if trainable else torch.device("cpu")
+
+    @torch._disable_dynamo
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "switch_step", None) is not None:
+            raise ValueError(
+                "cannot add a parameter group in the compression stage: the compressed momentum "
+                "layout was fixed when the variance froze"
+            )
+        super().add_param_group(param_group)
+        try:
+            rank_checks.check_once_each(len(self.param_groups) - 1,
+                                        self.param_groups[-1]["params"])
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    # ----------------------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        try:
+            self._step()
+        finally:
+            self.handoff.reset()  # nothing of this iteration reaches the next
+        return loss
+
+    def _step(self) -> None:
+        trainable = self.trainable()
+        for p in trainable:
+            if p.grad is not None and p.grad.is_sparse:
+                raise ValueError(f"{type(self).__name__} does not support sparse gradients")
+        rank_checks.check_trainable(self.param_groups, trainable, self.hooked_params,
+                                    set(self._unit_of) if self._units else None,
+                                    self.switch_step)
+        self.global_step += 1
+        if not self._settings_checked:
+            rank_checks.check_ranks_agree(self, trainable)
+        self._settings_checked = True
+        self.exchange_for(self.global_step).step(self)
+
+    def _skip(self) -> None:
+        """A step skipped on every rank (some rank's gradient was not finite): said each time,
+        and an error after ``max_skipped_steps`` in a row, never a silent stall."""
+        self.skipped_steps += 1
+        self._skip_streak += 1
+        log.warning("onebit: step %d skipped on every rank: a gradient was inf or NaN on some "
+                    "rank (%d in a row, %d in all)", self.global_step, self._skip_streak,
+                    self.skipped_steps)
+        if self._skip_streak >= self.config.max_skipped_steps:
+            raise RuntimeError(
+                f"onebit: {self._skip_streak} steps in a row were skipped for inf/NaN gradients "
+                "(the loss has diverged, or the data holds NaN): lower the learning rate, clip "
+                "gradients or check the data; max_skipped_steps sets this limit"
+            )
+
+    def _master(self, p: torch.Tensor, state: dict) -> torch.Tensor | None:
+        """``p``'s fp32 master copy with ``master_weights`` (made from ``p`` when missing: the
+        first step, or a checkpoint saved without it), else None."""
+        if not self.config.master_weights or p.dtype == torch.float32:
+            return None
+        if "master" not in state:
+            state["master"] = p.detach().float()
+        return state["master"]
+
+    def _init_state(self, p: torch.Tensor) -> dict:
+        return new_state(self.state[p], p)
+
+    def _init_states(self, params: list[torch.Tensor]) -> None:
+        init_states_in_unit_order(self.state, params,
+                                  partition(self.trainable(), self._unit_cap_bytes))
+
+    # ---------------------------------------------------------------------- the stage change
+    def switch_message(self) -> str | None:
+        """The stage switch in one line, None in warm-up. Rank 0 logs it at INFO (logger
+        ``onebit_plugin``) when the variance freezes; the Lightning callback shows it too."""
+        if self.switch_step is None:
+            return None
+        how = self.policy.exchange.describe(self.world_size)
+        return (f"onebit: Adam variance frozen after step {self.switch_step}; momentum is {how} "
+                f"from step {self.switch_step + 1} on")
+
+    def _fp32_of(self, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s fp32 values: its master copy, itself, or an fp32 copy."""
+        master = self._master(p, self.state[p]) if self.config.master_weights else None
+        return master if master is not None else as_fp32(p)
+
+    def _land(self, p: torch.Tensor, x: torch.Tensor) -> None:
+        """``p`` (and its master copy) takes the fp32 values ``x``."""
+        master = self._master(p, self.state[p]) if self.config.master_weights else None
+        if master is not None:
+            master.copy_(x)
+        p.copy_(x)
+
+    # ---------------------------------------------------------------------------- state dict
+    def state_dict(self) -> dict:
+        """The member's state per parameter plus the ``onebit`` entry of
+        :meth:`onebit_state_dict` (this rank's)."""
+        sd = super().state_dict()
+        sd["onebit"] = self.onebit_state_dict()
+        return sd
+
+    def onebit_state_dict(self) -> dict:
+        """What the per-parameter state does not hold: the stage, the switch step, byte
+        counters and this rank's error buffers, per momentum unit. Errors differ between ranks:
+        each rank must save its own (the Lightning strategy and the Accelerate flag do)."""
+        return checkpoint.onebit_state(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        checkpoint.load_state(self, state_dict, super().load_state_dict)
+
+    def load_onebit_state_dict(self, onebit: dict) -> None:
+        """Load an :meth:`onebit_state_dict` (after the per-parameter state is in place): also
+        how a rank puts back its own error buffers when the rest came from rank 0's
+        checkpoint."""
+        checkpoint.load_onebit_state(self, onebit)
+
+    def _forget_layout(self) -> None:
+        """After a load: the units, counters' views and this iteration are rebuilt from the new
+        state, and the ranks' settings checked again at the next step."""
+        self._units, self._unit_of = None, {}
+        self._steps = self._rows = None
+        self.policy.forget(self)  # its state over the units is rebuilt with them
+        self.handoff.reset()
+        self._settings_checked = False
+
+    def __getstate__(self) -> dict:
+        # torch's Optimizer pickles only defaults, state and param_groups; keep ours too (the
+        # topology drops its process groups: an unpickled optimizer runs on the default group).
+        return dict(self.__dict__)

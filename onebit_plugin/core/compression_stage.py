@@ -1,0 +1,156 @@
+"""The compression stage on the base: its momentum units (built at their first use, with a
+checkpoint's errors), a step that averages the momentum units, a step that refreshes the
+variance on exactly averaged gradients, and the frozen-variance update both share with the
+local steps (``onebit_plugin.members.local_steps``). Friend functions on ``OneBitOptimizer``'s
+privates, as ``onebit_plugin.core.checkpoint``'s; ``step()`` calls them as the policy says
+(``Policy.exchange_at``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from onebit_plugin.comm.collectives import all_finite
+from onebit_plugin.core import checkpoint
+from onebit_plugin.core.momentum import build_units as build
+from onebit_plugin.core.momentum import partition, refresh_denominators
+from onebit_plugin.core.momentum import update_rows as rows_of
+
+__all__ = ["build_units", "count_step", "frozen_update", "momentum_step", "refresh_step",
+           "update_rows"]
+
+log = logging.getLogger("onebit_plugin")
+
+
+def build_units(opt) -> None:
+    """Move every momentum into its unit (``state['exp_avg']`` become views) and load the
+    units' saved errors, and a checkpoint's local-step state, if it left some."""
+    saved = opt._saved.pop("units", None)
+    if saved is not None:
+        opt._unit_cap_bytes = opt._saved.pop("unit_cap_bytes")
+    # Warm-up's gradient buffer (without DDP) is resident and no longer used: the units'
+    # fold buffers are cut from it rather than from new memory (MomentumUnit's note).
+    spare = opt.policy.warmup.release_buffer()
+    opt._units = build(
+        partition(opt.trainable(), opt._unit_cap_bytes), opt.state,
+        {p: g for g in opt.param_groups for p in g["params"]}, opt._masks,
+        opt.config.mask_zero_variance, opt.communicator, spare, opt.policy.keeps_variance,
+        opt.policy.exchange.send_bound)
+    opt._unit_of = {p: u for u in opt._units for p in u.params}
+    _say_if_compact_errors_save_nothing(opt)
+    # The step counters become views of one tensor: one add and one read a step for all of
+    # them (a foreach add, a stack and a read of some 100 scalar tensors cost ~0.7 ms).
+    trainable = opt.trainable()
+    opt._steps = torch.tensor([float(opt.state[p]["step"]) for p in trainable],
+                              dtype=torch.float32)
+    for p, count in zip(trainable, opt._steps.unbind(), strict=True):
+        opt.state[p]["step"] = count
+    opt._step_index = {p: i for i, p in enumerate(trainable)}
+    opt._rows = None
+    if saved is not None:
+        checkpoint.load_unit_errors(opt, saved)
+    opt.policy.units_built(opt)
+
+
+def _say_if_compact_errors_save_nothing(opt) -> None:
+    """bf16 errors halve the errors of every unit, (2 + 2/W) bytes per value saved, but widen
+    one unit at a time into fp32 scratch, (4 + 4/W) bytes per value of the largest unit: they
+    save memory only when the largest unit holds less than half of the values. Said once, on
+    rank 0, at the build."""
+    if opt.config.error_dtype == "float32" or not opt._units or opt._rank != 0 or \
+            not opt._units[0].errors:
+        return
+    largest = max(u.momentum.numel() for u in opt._units)
+    total = sum(u.momentum.numel() for u in opt._units)
+    if 2 * largest >= total:
+        log.warning(
+            "onebit: error_dtype='bfloat16' saves no memory here: the largest momentum unit "
+            "holds %d of the %d values, and the fp32 scratch it is widened into each call "
+            "outweighs what halving the errors saves (it saves memory when the largest unit is "
+            "below half of the values: a smaller bucket_cap_mb, or a larger model); with "
+            "error_dtype='float32' this run would hold less", largest, total)
+
+
+def momentum_step(opt) -> None:
+    """Every unit the DDP hook did not average during backward is folded and averaged here,
+    now; the step is skipped on every rank if any unit came back non-finite."""
+    handoff = opt.handoff
+    averaged = handoff.averaged
+    ok = True
+    for unit in opt.units:
+        if unit in averaged:
+            ok &= averaged[unit]
+            continue
+        for p in unit.params:
+            if p in handoff.handed and handoff.changed(p):
+                handoff.say_once("local")
+        # Left encoded where the CPU update pass can decode it as it reads it.
+        ok &= unit.reduce_(opt.communicator, {p: p.grad for p in unit.params}, decode=False)
+    if not ok:
+        return opt._skip()
+    opt._skip_streak = 0
+    handoff.settle(opt.units)
+    frozen_update(opt, count_step(opt), averaged=True)
+
+
+def refresh_step(opt) -> None:
+    """A full-precision step of the compression stage (a member's variance refresh, on
+    gradients averaged exactly): momenta and variances from the averaged gradients, the units'
+    denominators and masks from the variances, then the frozen-variance update."""
+    trainable = opt.trainable()
+    if not all_finite([p.grad for p in trainable if p.grad is not None]):
+        return opt._skip()  # averaged: the same decision on every rank
+    opt._skip_streak = 0
+    for group, params, _, _, exp_avgs, _ in update_rows(opt)[0]:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        opt.policy.refresh_moments_(group, params, grads, [opt.state[p] for p in params],
+                                    exp_avgs)
+    refresh_denominators(opt.units, opt.state,
+                         {p: g for g in opt.param_groups for p in g["params"]},
+                         opt._masks, opt.config.mask_zero_variance)
+    frozen_update(opt, count_step(opt), averaged=False)
+
+
+def count_step(opt) -> list[float]:
+    """Advance the trainable parameters' step counters; every counter, as numbers."""
+    counting = update_rows(opt)[1]
+    if counting is None:
+        opt._steps.add_(1.0)
+    else:  # some parameters of the units are not trainable now: their counts stay
+        opt._steps.index_add_(0, counting, torch.ones(counting.numel()))
+    return opt._steps.tolist()
+
+
+def frozen_update(opt, counts: list[float], *, averaged: bool,
+                  local_bound: float | None = None) -> None:
+    """The policy's compression-stage update of every group over the units' denominators,
+    from the units' averages (``averaged``) or from the momenta as they are; ``local_bound``:
+    a local step's bound, on this rank's own momentum (``local_steps.local_bound``). An
+    exchange that bounds what it sends (``policy.OverDenominator``) leaves no bound here."""
+    bound = None
+    if opt.config.bound_update and opt.policy.exchange.send_bound is None:
+        bound = 1.0 if local_bound is None else local_bound
+    for group, params, index, units, exp_avgs, denoms in update_rows(opt)[0]:
+        opt.policy.compression_update_(
+            group, params, exp_avgs, denoms, [counts[i] for i in index],
+            bound=bound,
+            masters=([opt._master(p, opt.state[p]) for p in params]
+                     if opt.config.master_weights else None),
+            averaged=([u.averaged(p) for u, p in zip(units, params, strict=True)]
+                      if averaged else None),
+            states=[opt.state[p] for p in params])
+
+
+def update_rows(opt) -> tuple[list, torch.Tensor | None]:
+    """``momentum.update_rows``, made again when the trainable parameters change (one of them
+    frozen since, say). The rows read the units, built here when this is the compression
+    stage's first step since the freeze or a resume, whatever the step exchanges (a 0/1 Adam
+    refresh may come first: var_update_scaler=1, or a phase-A checkpoint before a refresh)."""
+    opt.units  # noqa: B018 - built on first use
+    trainable = tuple(map(id, opt.trainable()))
+    if opt._rows is None or opt._rows[0] != trainable:
+        opt._rows = (trainable, *rows_of(opt.param_groups, opt._unit_of, opt._step_index,
+                                         opt._steps.numel()))
+    return opt._rows[1:]

@@ -1,0 +1,60 @@
+"""The exact stage's step on the base: the member's own update (``Policy.warmup_update_``) on
+gradients every rank holds averaged (``gradient_average.GradientAverage``, whose ``then`` this
+is), and at its end the question whether the compression stage starts now
+(``Policy.stage_changes``) and the freeze. Friend functions on ``OneBitOptimizer``, as
+``onebit_plugin.core.compression_stage``'s are.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from onebit_plugin.comm.collectives import all_finite
+from onebit_plugin.maths.freeze import current_roots
+from onebit_plugin.maths.masks import negligible_root
+
+__all__ = ["freeze", "freeze_due", "warmup_step"]
+
+log = logging.getLogger("onebit_plugin")
+
+
+def warmup_step(opt) -> None:
+    """One step of the exact stage, then the stage change if the policy says so."""
+    stepped = [p for p in opt.trainable() if p.grad is not None]
+    # After averaging every rank holds the same gradients, hence the same decision.
+    if not all_finite([p.grad for p in stepped]):
+        opt._skip()
+    else:
+        opt._skip_streak = 0
+        opt._init_states([p for p in stepped if not opt.state[p]])
+        for g in opt.param_groups:
+            params = [p for p in g["params"] if p.requires_grad and p.grad is not None]
+            if params:
+                states = [opt.state[p] or opt._init_state(p) for p in params]
+                opt.policy.warmup_update_(g, params, states, [
+                    opt._master(p, s) for p, s in zip(params, states, strict=True)])
+    if opt.policy.stage_changes(opt.global_step - opt.skipped_steps,  # applied steps
+                                lambda applied: freeze_due(opt, applied)):
+        freeze(opt)
+
+
+def freeze_due(opt, applied: int) -> bool:
+    """The ``freeze_step`` rule: that step, or ``"auto"`` (``onebit_plugin.maths.freeze``)."""
+    if opt.auto_freeze is None:
+        return applied >= opt.config.freeze_step
+    return opt.auto_freeze.due(applied, lambda: current_roots(opt.param_groups, opt.state),
+                               negligible_root, opt.topology.rank)
+
+
+def freeze(opt) -> None:
+    """The end of the exact stage: fix the variance (the units are built at first use)."""
+    for p in opt.trainable():
+        state = opt.state[p] or opt._init_state(p)  # no gradient yet: v == 0, all masked
+        # v's bias correction 1 - b2**0 would be 0 (0/0 = NaN) where v never moved.
+        # A Python number, not a tensor: Lightning moves every optimizer state tensor but
+        # "step" to the GPU on resume, and reading it per step would then sync the host.
+        state["frozen_step"] = max(float(state["step"]), 1.0)
+        opt.policy.freeze_(state)
+    opt.switch_step = opt.global_step
+    if opt.topology.rank == 0:  # once per job, like the freeze
+        log.info("%s", opt.switch_message())

@@ -1,0 +1,306 @@
+"""ZeroOneAdam: 0/1 Adam (Lu et al., "Maximizing Communication Efficiency for Large-scale
+Training via 0/1 Adam", ICLR 2023), a member of the 1-bit family.
+
+Adam for the first ``var_update_scaler`` steps (the base's exact stage), then, on the shared
+momentum units:
+
+* phase A (to ``var_freeze_step``): the variance is refreshed on exponentially spaced
+  full-precision steps (gradients averaged exactly; ``onebit_plugin.settings.schedule``); on the
+  other
+  steps the momentum is exchanged as 1-bit signs with error feedback, as in 1-bit Adam's
+  compression stage, over the variance of the last refresh;
+* phase B: the variance is fixed; ranks take local steps and sync the accumulated update with
+  the same 1-bit allreduce every ``local_step_interval`` steps
+  (``onebit_plugin.members.local_steps``).
+
+DeepSpeed's ``ZeroOneAdam`` exchanged 1-bit *gradients* in phase A, had no bias correction, and
+carried ``lr * wd * p`` into the momentum it rebuilt after a sync; here phase A sends the
+momentum (the paper's ``u`` at an interval of 1, which is also what 1-bit Adam sends, so the
+error buffers mean one thing throughout), Adam's bias corrections apply, a refresh weighs as
+many steps as it stands for (the paper and DeepSpeed weighed each as one step, so the first
+16 steps' gradients held a quarter of the variance at step 240, ``ZeroOnePolicy``) and weight
+decay is decoupled exactly (docs/usage.md, "0/1 Adam").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from onebit_plugin.core import compression_stage
+from onebit_plugin.core.base import OneBitOptimizer
+from onebit_plugin.core.gradient_average import GradientAverage
+from onebit_plugin.core.policy import AdamPolicy, OneBitMomentum
+from onebit_plugin.members import local_steps
+from onebit_plugin.settings.config import OneBitConfig, check_hparams
+from onebit_plugin.settings.schedule import (
+    ZeroOneSchedule,
+    auto_var_freeze_step,
+    exact_steps,
+    refreshes_until,
+)
+from onebit_plugin.settings.step_kinds import EXACT, LOCAL, SYNC
+from onebit_plugin.wire.deferred import as_fp32
+
+__all__ = ["ZeroOneAdam", "ZeroOnePolicy"]
+
+AUTO = "auto"
+
+
+def _check_schedule(var_freeze_step, var_update_scaler, local_step_scaler,
+                    local_step_clipper) -> None:
+    for name, value, auto in (("var_freeze_step", var_freeze_step, True),
+                              ("var_update_scaler", var_update_scaler, False),
+                              ("local_step_scaler", local_step_scaler, True),
+                              ("local_step_clipper", local_step_clipper, False)):
+        if auto and value == AUTO:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            also = " or 'auto'" if auto else ""
+            raise ValueError(f"{name} must be an int >= 1{also}, got {value!r}")
+
+
+def auto_local_step_scaler(total_steps: int, var_freeze_step: int, clipper: int) -> int:
+    """``local_step_scaler="auto"``: the local interval reaches ``local_step_clipper`` after a
+    quarter of phase B (it doubles every ``scaler`` steps, log2(clipper) times)."""
+    doublings = max(1, (clipper - 1).bit_length())
+    return max(1, (total_steps - var_freeze_step) // (4 * doublings))
+
+
+class ZeroOnePolicy(AdamPolicy):
+    """0/1 Adam's decisions: Adam's updates, its schedule of refreshes and syncs."""
+
+    keeps_variance = True  # refreshed in phase A
+
+    def __init__(self, var_freeze_step, var_update_scaler: int, local_step_scaler,
+                 local_step_clipper: int):
+        super().__init__(OneBitMomentum())
+        # Refreshes average exactly, as the warm-up does; local steps send nothing, syncs
+        # send through the momentum's communicator.
+        self.exchanges.update({EXACT: GradientAverage(compression_stage.refresh_step),
+                               LOCAL: local_steps.LocalStep(), SYNC: local_steps.SyncStep()})
+        self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
+        self.local_step_scaler, self.local_step_clipper = local_step_scaler, local_step_clipper
+        self._schedule: ZeroOneSchedule | None = None
+        #: phase B's state on this rank (``local_steps.LocalSteps``), from the first local step
+        self.local: local_steps.LocalSteps | None = None
+
+    def schedule(self, total_steps: int | None) -> ZeroOneSchedule:
+        """The schedule settled for a run of ``total_steps`` (``"auto"`` settings need it)."""
+        if self._schedule is None or self._schedule.total_steps != total_steps:
+            freeze, scaler = self.var_freeze_step, self.local_step_scaler
+            if AUTO in (freeze, scaler) and total_steps is None:
+                raise ValueError(
+                    "ZeroOneAdam: var_freeze_step='auto' and local_step_scaler='auto' are "
+                    "chosen from the run's length, which is not known: pass total_steps= (the "
+                    "optimizer steps of the whole run) or call optimizer.set_total_steps(n); "
+                    "under onebit-run, ONEBIT_TOTAL_STEPS=n or onebit-run --total-steps n; or "
+                    "give both numbers (DeepSpeed's defaults were 100000 and 32678)")
+            if freeze == AUTO:
+                freeze = auto_var_freeze_step(total_steps, self.var_update_scaler)
+            if scaler == AUTO:
+                scaler = auto_local_step_scaler(total_steps, freeze, self.local_step_clipper)
+            self._schedule = ZeroOneSchedule(freeze, self.var_update_scaler, scaler,
+                                             self.local_step_clipper, total_steps)
+        return self._schedule
+
+    def exchange_at(self, t: int, total_steps: int | None) -> str:
+        return self.schedule(total_steps).kind(t)
+
+    def rank_state(self, opt) -> dict | None:
+        return local_steps.saved_state(opt)
+
+    def apart(self, opt) -> int:
+        return self.local.steps if self.local is not None else 0
+
+    def sync_now(self, opt) -> None:
+        if self.apart(opt):
+            local_steps.sync_ranks(opt, local_steps.corrections(opt, opt._steps.tolist()))
+
+    def sync_point(self, opt) -> list | None:
+        saved = opt._saved.get("local_steps")  # resumed between syncs, the units not built yet
+        if saved:
+            return saved["anchors"]
+        return list(self.local.anchor.values()) if self.apart(opt) else None
+
+    def buffers(self) -> list:
+        anchors = self.local.anchor.values() if self.local is not None else []
+        return [*super().buffers(), *(("local-step anchors", a) for a in anchors)]
+
+    def forget(self, opt) -> None:
+        self.local = None
+
+    def load_rank_state(self, opt, saved: dict | None) -> None:
+        local_steps.load_saved_state(opt, saved)
+
+    def units_built(self, opt) -> None:
+        local_steps.restore(opt)
+
+    def agreement(self, total_steps: int | None) -> dict[str, int]:
+        def number(v):
+            return -1 if v == AUTO else v
+        return {"var_freeze_step": number(self.var_freeze_step),
+                "var_update_scaler": self.var_update_scaler,
+                "local_step_scaler": number(self.local_step_scaler),
+                "local_step_clipper": self.local_step_clipper,
+                "total_steps (0/1 Adam)": total_steps or 0}
+
+    def refresh_moments_(self, group, params, grads, states, exp_avgs) -> None:
+        beta1, beta2 = group["betas"]
+        g = [as_fp32(x) for x in grads]
+        if group["weight_decay"] != 0 and not group["decoupled_weight_decay"]:
+            g = torch._foreach_add(g, [as_fp32(p) for p in params], alpha=group["weight_decay"])
+        torch._foreach_lerp_(exp_avgs, g, 1 - beta1)
+        # A refresh stands for every step since the previous one, as if each of them had
+        # brought this gradient: v <- b2**gap * v + (1 - b2**gap) * g*g, and the bias
+        # correction's count (frozen_step) advances by the gap, to this step. Counted one step
+        # each (the paper's, DeepSpeed's), the 16 refreshes of steps 1-16 held 24% of the
+        # variance's weight at step 240 (var_update_scaler=16), against 6% in Adam's.
+        by_gap: dict[float, tuple[list, list]] = {}
+        for s, x in zip(states, g, strict=True):
+            gap = max(float(s["step"]) + 1.0 - s["frozen_step"], 1.0)
+            s["frozen_step"] += gap
+            by_gap.setdefault(gap, ([], []))
+            by_gap[gap][0].append(s["exp_avg_sq"])
+            by_gap[gap][1].append(x)
+        for gap, (variances, xs) in by_gap.items():
+            keep = beta2 ** gap
+            torch._foreach_mul_(variances, keep)
+            torch._foreach_addcmul_(variances, xs, xs, value=1 - keep)
+
+
+class ZeroOneAdam(OneBitOptimizer):
+    """0/1 Adam as a ``torch.optim.Optimizer``, with DeepSpeed's ``ZeroOneAdam`` argument
+    names (module docstring; docs/usage.md, "0/1 Adam").
+
+    Use it like ``OneBitAdam``: in every process of a data-parallel job, with or without DDP
+    (:func:`onebit_plugin.register_onebit_hook`; the Lightning and Fabric strategies and
+    ``onebit-run --optimizer zero_one_adam`` register it). Between syncs in phase B every rank
+    holds its own parameters, by design; they are bit-identical right after every sync, and the
+    run's last step (``total_steps``) is a sync.
+
+    Args:
+        params, lr, betas, eps: as for ``torch.optim.Adam``.
+        weight_decay: decoupled (AdamW) decay by default, as DeepSpeed's ``ZeroOneAdam``
+            applied it; ``decoupled_weight_decay=False`` adds it to the gradient (Adam's L2).
+        var_freeze_step: the last step of phase A (variance refreshes); ``"auto"`` (default):
+            from ``total_steps`` (``onebit_plugin.settings.schedule.auto_var_freeze_step``).
+        var_update_scaler: refreshes per interval before the refresh interval doubles (16).
+        local_step_scaler: phase-B steps before the local interval doubles; ``"auto"``
+            (default): the interval reaches ``local_step_clipper`` after a quarter of phase B.
+        local_step_clipper: the largest local interval (16).
+        total_steps: optimizer steps of the whole run (the integrations fill it in); needed by
+            the ``"auto"`` settings, and the last step syncs.
+
+    The family's options (``OneBitAdam``'s docstring): ``max_block``, ``scale``,
+    ``mask_zero_variance``, ``masks``, ``process_group``, ``average_grads``, ``bound_update``
+    (a sync moves the common point by at most ``lr`` per step, a local step a rank's by at
+    most ``sqrt(W) * lr``: ``onebit_plugin.members.local_steps.local_bound``),
+    ``comm_timeout``, ``bucket_cap_mb``, ``max_skipped_steps``, ``master_weights``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        var_freeze_step: int | str = AUTO,
+        var_update_scaler: int = 16,
+        local_step_scaler: int | str = AUTO,
+        local_step_clipper: int = 16,
+        *,
+        total_steps: int | None = None,
+        decoupled_weight_decay: bool = True,
+        max_block: int = 2048,
+        scale: str = "rms",
+        mask_zero_variance: bool = True,
+        masks: dict[torch.Tensor, torch.Tensor] | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        average_grads: bool = True,
+        bound_update: bool = True,
+        comm_timeout: float | None = None,
+        bucket_cap_mb: float | None = None,
+        max_skipped_steps: int = 20,
+        master_weights: bool = False,
+        error_dtype: str = "float32",
+        freeze_step: None = None,
+    ):
+        check_hparams(lr, betas, eps, weight_decay)
+        _check_schedule(var_freeze_step, var_update_scaler, local_step_scaler,
+                        local_step_clipper)
+        config = OneBitConfig(
+            # The base's exact stage: Adam until the refresh interval first doubles.
+            freeze_step=exact_steps(var_freeze_step, var_update_scaler),
+            total_steps=total_steps, max_block=max_block, scale=scale,
+            mask_zero_variance=mask_zero_variance, average_grads=average_grads,
+            bound_update=bound_update, comm_timeout=comm_timeout, bucket_cap_mb=bucket_cap_mb,
+            max_skipped_steps=max_skipped_steps, master_weights=master_weights,
+            error_dtype=error_dtype)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        decoupled_weight_decay=decoupled_weight_decay)
+        if freeze_step is not None:
+            raise TypeError("ZeroOneAdam has no freeze_step (1-bit Adam's warm-up): its "
+                            "variance is refreshed to var_freeze_step instead (default 'auto')")
+        policy = ZeroOnePolicy(var_freeze_step, var_update_scaler, local_step_scaler,
+                               local_step_clipper)
+        super().__init__(params, defaults, config, policy, masks=masks,
+                         process_group=process_group)
+
+    def switch_message(self) -> str | None:
+        """The end of the exact stage in one line, with the schedule that follows (logged at
+        INFO on rank 0, shown by the Lightning callback); None before."""
+        if self.switch_step is None:
+            return None
+        first = (f"onebit: 0/1 Adam was Adam for {self.switch_step} steps; from step "
+                 f"{self.switch_step + 1} the momentum is "
+                 f"{self.policy.exchange.describe(self.world_size)}")
+        try:
+            s = self.policy.schedule(self.total_steps)
+        except ValueError:  # "auto" without the run's length: the next step raises, saying so
+            return first
+        if s.total_steps is not None and s.var_freeze_step >= s.total_steps:
+            return (f"{first} and the variance refreshed in full precision on "
+                    f"{refreshes_until(s.total_steps, s.var_update_scaler)} steps to the run's "
+                    f"end (var_freeze_step={s.var_freeze_step} >= total_steps="
+                    f"{s.total_steps}: no local steps in this run)")
+        return (f"{first}, the variance refreshed in full precision to step "
+                f"{s.var_freeze_step} ({refreshes_until(s.var_freeze_step, s.var_update_scaler)}"
+                f" refreshes), then local steps, the interval doubling every "
+                f"{s.local_step_scaler} steps up to {s.local_step_clipper}")
+
+    # ------------------------------------------------------------------------------ progress
+    @property
+    def phase(self) -> str:
+        """``"warmup"`` (Adam), ``"A"`` (refreshes and 1-bit momentum) or ``"B"`` (local
+        steps), at the last step taken."""
+        if self.switch_step is None:
+            return "warmup"
+        return self.policy.schedule(self.total_steps).phase(self.global_step)
+
+    @property
+    def variance_refreshes(self) -> int:
+        """Full-precision steps that updated the variance so far (warm-up's included)."""
+        schedule = self.policy.schedule(self.total_steps) if self.switch_step is not None \
+            else None
+        if schedule is None:
+            return self.global_step - self.skipped_steps
+        return refreshes_until(min(self.global_step, schedule.var_freeze_step),
+                               schedule.var_update_scaler)
+
+    def progress(self) -> dict[str, float]:
+        """The base's, plus ``phase`` (0 Adam, 1 phase A, 2 phase B), ``variance_refreshes``,
+        ``local_interval`` (0 before phase B) and ``syncs``."""
+        return {**super().progress(), "phase": float(("warmup", "A", "B").index(self.phase)),
+                "variance_refreshes": float(self.variance_refreshes),
+                "local_interval": float(self.local_interval or 0), "syncs": float(self.syncs)}
+
+    @property
+    def local_interval(self) -> int | None:
+        """Phase B's current interval between syncs (None before phase B)."""
+        if self.phase != "B":
+            return None
+        return self.policy.schedule(self.total_steps).interval(self.global_step)
