@@ -42,7 +42,7 @@ from onebit_plugin.wire.compression import (
     server_compress,
     worker_compress,
 )
-from onebit_plugin.wire.deferred import Fold
+from onebit_plugin.wire.deferred import Encoded, Fold
 from onebit_plugin.wire.dispatch import backend_for
 
 __all__ = ["ExactAllreduce", "OneBitAllreduce", "Plan"]
@@ -85,6 +85,46 @@ class Plan:
         if self.error_dtype != torch.float32:
             errors["draws"] = torch.zeros((), dtype=torch.int64)
         return errors
+
+    def keeps(self, keep: torch.Tensor) -> bool:
+        """Whether ``keep`` (flat bool over the unpadded values) is the mask already."""
+        return torch.equal(keep, self.mask.keep[: keep.numel()])
+
+    def encoded_part(self, offset: int, numel: int, fallback) -> Encoded:
+        """Values ``offset`` on (``numel`` of them) of the average the last call left encoded
+        (:attr:`encoded`), as the CPU update pass reads them (``deferred.Encoded``)."""
+        return Encoded(self.wire.all_packed, self.wire.all_scales, self.mask.keep,
+                       self.layout.block, offset, numel, fallback)
+
+    def decode_into_(self, out: torch.Tensor) -> None:
+        """The average the last call left encoded, decoded into ``out`` (the unpadded
+        values, fp32); nothing is left encoded after."""
+        if self.encoded:
+            decompress(self.wire.all_packed, self.wire.all_scales, self.mask, self.layout, out,
+                       self.wire.scratch)
+            self.encoded = False
+
+    def error_dtype_of(self, errors: dict) -> torch.dtype | None:
+        """The dtype of error buffers ``errors`` (this plan's, or a checkpoint's); None when
+        there are none (an exact exchange's)."""
+        worker = errors.get("worker")
+        return None if worker is None else worker.dtype
+
+    def buffers(self, errors: dict) -> list[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` of what this plan and its error buffers ``errors`` hold
+        (``onebit_plugin.core.memory``): errors, wire buffers, scratch made so far, masks."""
+        out = [("rounding draws" if name == "draws" else f"{name} error", e)
+               for name, e in errors.items()]
+        if self.wire is not None:
+            out += [("wire", t) for t in vars(self.wire).values() if isinstance(t, torch.Tensor)]
+            if self.wire.scratch is not None:
+                out += [("compression scratch", t) for t in vars(self.wire.scratch).values()
+                        if isinstance(t, torch.Tensor)]
+        for mask in (self.mask, self.chunk_mask):
+            out.append(("masks", mask.keep))
+            if "dropped" in vars(mask):  # the CPU torch passes' index list, once made
+                out.append(("masks", mask.dropped))
+        return out
 
     def clear_masked_(self, errors: dict[str, torch.Tensor]) -> None:
         """Zero the errors of masked coordinates, so that none ever leaks into a later call."""
@@ -221,6 +261,11 @@ class _Communicator:
         comm_executor(self.group).submit(job)
         return future
 
+    def buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` of the scratch the communicator itself holds (its plans' are
+        :meth:`Plan.buffers`)."""
+        return []
+
     def _wait(self, works: list, what: str) -> None:
         started = time.perf_counter()
         try:
@@ -293,6 +338,9 @@ class OneBitAllreduce(_Communicator):
 
     def _layout(self, numel: int) -> ChunkLayout:
         return ChunkLayout.create(numel, self.world_size, self.max_block, self.scale)
+
+    def buffers(self) -> list[tuple[str, torch.Tensor]]:
+        return [("bf16 errors' fp32 scratch", self._wide)] if self._wide is not None else []
 
     def plan(self, numel: int, keep: torch.Tensor | None = None, device=None) -> Plan:
         self._plans += 1

@@ -175,9 +175,11 @@ def load_unit_errors(opt, saved: list[dict]) -> None:
             "examples/train_torchrun.py --ckpt-dir shows it in a plain loop)",
             rank, type(opt).__name__, saved_by, saved_by)
         return  # the errors stay zero
-    theirs = next((s["worker"].dtype for s in saved if "worker" in s), None)
-    if theirs is not None and opt._units and "worker" in opt._units[0].errors and \
-            theirs != opt._units[0].errors["worker"].dtype:
+    plan = opt._units[0].plan if opt._units else None
+    theirs = next((d for s in saved if (d := plan.error_dtype_of(s)) is not None), None) \
+        if plan is not None else None
+    ours = plan.error_dtype_of(opt._units[0].errors) if plan is not None else None
+    if theirs is not None and ours is not None and theirs != ours:
         log.warning("onebit: rank %d's checkpoint holds %s error buffers and this optimizer "
                     "keeps %s ones (error_dtype): they are converted%s, so the run goes on "
                     "from them but is not bit for bit the one that saved them", rank,

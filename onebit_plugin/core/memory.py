@@ -27,23 +27,11 @@ def _tensors(opt) -> list[tuple[str, torch.Tensor]]:
         out.append(("frozen denominator", unit.denom))
         if unit._local is not None:  # made at its first use (not by asking here)
             out.append(("fold buffer", unit._local))
-        for name, error in unit.errors.items():
-            out.append(("rounding draws" if name == "draws" else f"{name} error", error))
-        wire = unit.plan.wire
-        if wire is not None:
-            out += [("wire", t) for t in vars(wire).values() if isinstance(t, torch.Tensor)]
-            if wire.scratch is not None:
-                out += [("compression scratch", t) for t in vars(wire.scratch).values()
-                        if isinstance(t, torch.Tensor)]  # those made so far
-        for mask in (unit.plan.mask, unit.plan.chunk_mask):
-            out.append(("masks", mask.keep))
-            if "dropped" in vars(mask):  # the CPU torch passes' index list, once made
-                out.append(("masks", mask.dropped))
+        out += unit.plan.buffers(unit.errors)
         if unit.masked is not None:
             out.append(("masks", unit.masked))
-    wide = getattr(opt.counts.comm, "_wide", None)
-    if wide is not None:
-        out.append(("bf16 errors' fp32 scratch", wide))
+    if opt.counts.comm is not None:
+        out += opt.counts.comm.buffers()
     out += opt.policy.buffers()
     if opt.auto_freeze is not None:
         out += [("auto-freeze snapshots", t) for _, roots in opt.auto_freeze.snapshots

@@ -19,7 +19,6 @@ import torch
 
 from onebit_plugin.maths.masks import keep_mask, negligible_root
 from onebit_plugin.maths.update import clip_folded_, corrected_root
-from onebit_plugin.wire.compression import decompress
 from onebit_plugin.wire.deferred import Encoded, Fold
 
 __all__ = ["MomentumUnit", "build_units", "init_states_in_unit_order", "new_state", "partition",
@@ -141,7 +140,7 @@ class MomentumUnit:
     def remask_(self, keep: torch.Tensor) -> None:
         """The mask again (``refresh_denominators``): masked coordinates' momentum is cleared;
         a changed mask clears their errors too, and the communicator's plan takes it."""
-        if not torch.equal(keep, self.plan.mask.keep[: keep.numel()]):
+        if not self.plan.keeps(keep):
             masked = keep.logical_not()
             self.masked = masked if int(masked.count_nonzero()) else None
             self.plan.remask_(keep)
@@ -213,10 +212,8 @@ class MomentumUnit:
         if not self.plan.encoded:
             return self.view(p, self.local)
         if self._encoded is None:
-            wire, block = self.plan.wire, self.plan.layout.block
-            self._encoded = {q: Encoded(wire.all_packed, wire.all_scales, self.plan.mask.keep,
-                                        block, self.offsets[q], q.numel(),
-                                        functools.partial(self._local_view, q))
+            self._encoded = {q: self.plan.encoded_part(self.offsets[q], q.numel(),
+                                                       functools.partial(self._local_view, q))
                              for q in self.params}
         return self._encoded[p]
 
@@ -224,10 +221,7 @@ class MomentumUnit:
         """Decode an average left encoded into the fold buffer (before the fold buffer is read
         as the average: the DDP hook's compare, clipping)."""
         if self.plan.encoded:
-            wire = self.plan.wire
-            decompress(wire.all_packed, wire.all_scales, self.plan.mask, self.plan.layout,
-                       self.local, wire.scratch)
-            self.plan.encoded = False
+            self.plan.decode_into_(self.local)
 
     def submit(self, comm, grads: dict) -> torch.futures.Future:
         """:meth:`reduce_` on the communicator's background thread, the average left encoded
