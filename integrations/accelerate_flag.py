@@ -123,7 +123,7 @@ def _when(opt) -> str:
                     f"--total-steps, or step {opt.freeze_step + 1} raises)")
         schedule = opt.policy.schedule(opt.total_steps)
         return (f"after step {opt.freeze_step} (0/1 Adam: variance refreshes in full precision "
-                f"to step {schedule.var_freeze_step}, then local steps, the interval doubling "
+                f"to step {schedule.last_a}, then local steps, the interval doubling "
                 f"every {schedule.local_step_scaler} steps up to "
                 f"{schedule.local_step_clipper})")
     if opt.auto_freeze is not None:

@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="uncompressed warm-up steps (1-bit Adam, 1-bit LAMB), or auto "
                              "(else ONEBIT_FREEZE_STEP)")
     parser.add_argument("--var-freeze-step",
-                        help="0/1 Adam: its last variance-refresh step, or auto (default)")
+                        help="0/1 Adam: phase A (variance refreshes) runs to this step + 1, "
+                             "as in DeepSpeed; or auto (default)")
     parser.add_argument("--local-step-scaler",
                         help="0/1 Adam: steps before the local interval doubles, or auto "
                              "(default)")

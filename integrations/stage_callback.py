@@ -34,8 +34,9 @@ def make_callback_class(pl, module: str):
 
         Lockstep checks are made only where the ranks must agree: not between the syncs of
         ZeroOneAdam's local steps, where they differ by design. A validation that starts
-        between those syncs evaluates each rank's own parameters (``sync_dist`` averages their
-        metrics), not the common point the next sync lands on: said once, or synced first.
+        between those syncs is synced first by default, so that it evaluates the common point;
+        with ``sync_before_validation=False`` it evaluates each rank's own parameters
+        (``sync_dist`` averages their metrics), said once.
 
         Args:
             progress_bar: show ``onebit_stage`` in the progress bar.
@@ -45,13 +46,13 @@ def make_callback_class(pl, module: str):
                 ``LockstepError`` otherwise. 0 (default) never checks.
             sync_before_validation: a validation that starts between ZeroOneAdam's syncs
                 first calls ``sync_local_steps()`` on every rank (one 1-bit allreduce; the
-                schedule goes on as it was), so that it evaluates the common point. Default
-                False: the run's trajectory stays the one without validations, and the first
-                such validation is said.
+                schedule goes on as it was), so that it evaluates the common point (default).
+                False: the run's trajectory stays the one without validations, each rank
+                validates its own point, and the first such validation is said.
         """
 
         def __init__(self, progress_bar: bool = True, check_lockstep_every_n_steps: int = 0,
-                     sync_before_validation: bool = False):
+                     sync_before_validation: bool = True):
             if check_lockstep_every_n_steps < 0:
                 raise ValueError("check_lockstep_every_n_steps must be >= 0, got "
                                  f"{check_lockstep_every_n_steps}")
@@ -123,7 +124,8 @@ def make_callback_class(pl, module: str):
                     "averages their metrics), not the common point the next sync lands on, "
                     "which is better (on benchmarks/fidelity.py's GPT, 2,000 steps: rank 0's "
                     "own point +4.69% above Adam's loss, the common point two steps later "
-                    "+0.55%). OneBitAdamCallback(sync_before_validation=True) syncs first.")
+                    "+0.55%). OneBitAdamCallback(sync_before_validation=True), the default, "
+                    "syncs first.")
 
         def state_dict(self) -> dict[str, Any]:
             return {"switch_logged": self.switch_logged, "switch_step": self.switch_step}

@@ -500,6 +500,18 @@ MUTANTS = [
        "            self._group = new_group(self.process_group, timeout, device)\n",
        "            self._group = new_group(None, timeout, device)\n",
        "tests/test_faults.py::test_a_data_parallel_subgroup_makes_its_own_group_alone"),
+    _m("zero-one-interval-counted-from-var-freeze-step", "issue 44: DeepSpeed's counting",
+       "onebit_plugin/settings/schedule.py", "    doublings = (t - var_freeze_step - 2) // scaler",
+       "    doublings = (t - var_freeze_step - 1) // scaler",
+       "tests/test_zero_one.py::test_the_schedule_sends_what_deepspeeds_counters_sent_at_every_step"),
+    _m("zero-one-phase-a-ends-at-var-freeze-step", "issue 44: DeepSpeed's counting",
+       "onebit_plugin/settings/schedule.py", "        return self.var_freeze_step + 1\n",
+       "        return self.var_freeze_step\n",
+       "tests/test_zero_one.py::test_the_schedule_sends_what_deepspeeds_counters_sent_at_every_step"),
+    _m("validation-sync-off-by-default", "issue 44: validation evaluates the common point",
+       "integrations/stage_callback.py", "sync_before_validation: bool = True):",
+       "sync_before_validation: bool = False):",
+       "tests/test_zero_one.py::test_a_validation_between_syncs_is_said_once_or_synced_first"),
 ]
 
 

@@ -306,9 +306,10 @@ def test_onebit_lamb_fits_in_lockstep_and_resumes_bitwise(tmp_path):
         assert torch.equal(a, b)
 
 
-# ZeroOneAdam under the same strategy: Adam to step 12, then phase B at once (var_freeze_step
-# 12 < var_update_scaler 16), the local interval doubling every 2 steps: steps 13, 14, 16 and
-# 30 (the run's last) sync, the others are local. Step 25 is between syncs.
+# ZeroOneAdam under the same strategy: Adam to step 13, then phase B at once (phase A ends at
+# var_freeze_step + 1 = 13, as DeepSpeed counts, before var_update_scaler 16), the local interval
+# doubling every 2 steps: steps 14, 15, 16 and 30 (the run's last) sync, the others are local.
+# Step 25 is between syncs.
 ZERO_ONE = ("--optimizer", "zero_one", "--var-freeze-step", "12", "--local-step-scaler", "2",
             "--steps", "30", "--precision", "32-true")
 
@@ -324,11 +325,13 @@ def test_zero_one_adam_fits_and_ends_on_one_point(zero_one_run):
     out, _ = zero_one_run
     ranks = _ranks(out)
     assert_ranks_identical([r["params"] for r in ranks], "final parameters")
-    # Lockstep was checked only where the ranks must agree: 12 Adam steps and 4 syncs.
-    assert [r["lockstep_checks"] for r in ranks] == [16, 16]
+    # Lockstep was checked only where the ranks must agree: 13 Adam steps and 4 syncs.
+    assert [r["lockstep_checks"] for r in ranks] == [17, 17]
     phases = _csv_column(out, "onebit/phase")
     assert phases and phases[-1][1] == 2.0
-    assert _csv_column(out, "onebit/syncs")[-1][1] == 4.0  # logged at step 30, after its sync
+    # Logged at step 30, after its sync: the schedule's 4 and the callback's before the
+    # validation at step 20 (between the syncs at 16 and 30; validations every 10 steps).
+    assert _csv_column(out, "onebit/syncs")[-1][1] == 5.0
     assert _csv_column(out, "onebit/local_interval")[-1][1] == 16.0
 
 

@@ -38,15 +38,55 @@ def test_local_interval_doubles_every_scaler_steps_up_to_the_clipper_and_the_las
     s = ZeroOneSchedule(var_freeze_step=10, var_update_scaler=4, local_step_scaler=3,
                         local_step_clipper=4, total_steps=40)
     kinds = "".join(s.kind(t)[0] for t in range(1, 41))
-    # Steps 1-4 refresh, then every 2nd step to 10; phase B from 11: interval 1 for 3 steps,
-    # 2 for 3, then 4 (a sync where t % interval == 0), and step 40 syncs.
-    assert kinds[:10] == "eeeemememe"
-    assert kinds[10:22] == "sss" + "sls" + "lllsll"
-    for t in range(11, 41):
+    # Steps 1-4 refresh, then every 2nd step; phase A ends at 11 (var_freeze_step + 1, as
+    # DeepSpeed's); phase B from 12: interval 1 for 3 steps, 2 for 3, then 4 (a sync where
+    # t % interval == 0), and step 40 syncs.
+    assert kinds[:11] == "eeeemememem"
+    assert kinds[11:23] == "sss" + "lsl" + "llslll"
+    for t in range(12, 41):
         interval = s.interval(t)
-        assert interval == min(4, 2 ** ((t - 11) // 3))
+        assert interval == min(4, 2 ** ((t - 12) // 3))
         expected = "sync" if t % interval == 0 or t == 40 else "local"
         assert s.kind(t) == expected, t
+
+
+def _deepspeeds_wire(steps, var_freeze_step, var_update_scaler, local_step_scaler,
+                     local_step_clipper):
+    """What DeepSpeed's ZeroOneAdam sent at each of its steps (its ``state['step']``, its
+    initialization call aside), replaying its counters as its step() kept them: "fp32" (the
+    engine's gradient allreduce, a variance refresh), "1-bit" (phase A's momentum, or a sync) or
+    "nothing" (a local step). Its variance froze after the first step past var_freeze_step."""
+    var_interval, var_counter, interval, counter, frozen = 1, 0, 1, 0, False
+    sent = []
+    for t in range(1, steps + 1):
+        if not frozen:
+            sent.append("fp32" if t % var_interval == 0 else "1-bit")
+            if t % var_interval == 0:
+                var_counter += 1
+                if var_counter == var_update_scaler:
+                    var_counter, var_interval = 0, var_interval * 2
+        else:
+            sent.append("1-bit" if t % interval == 0 else "nothing")
+            counter += 1
+            if counter == local_step_scaler:
+                counter, interval = 0, min(local_step_clipper, interval * 2)
+        frozen = frozen or t > var_freeze_step
+    return sent
+
+
+@pytest.mark.parametrize("settings", [(60, 4, 8, 8), (63, 4, 5, 16), (20, 16, 3, 4)],
+                         ids=["the-issues", "a-refresh-at-the-last-phase-a-step", "short-a"])
+def test_the_schedule_sends_what_deepspeeds_counters_sent_at_every_step(settings):
+    """Over runs that cross several doublings of both intervals (var_freeze_step=63 with
+    var_update_scaler=4: DeepSpeed refreshes at step 64, past var_freeze_step)."""
+    steps = 200
+    s = ZeroOneSchedule(*settings)
+    on_the_wire = {"exact": "fp32", "momentum": "1-bit", "sync": "1-bit", "local": "nothing"}
+    ours = [on_the_wire[s.kind(t)] for t in range(1, steps + 1)]
+    theirs = _deepspeeds_wire(steps, *settings)
+    assert [t for t in range(1, steps + 1) if ours[t - 1] != theirs[t - 1]] == []
+    assert ours.count("nothing") > steps // 2
+    assert len({s.interval(t) for t in range(s.last_a + 1, steps)}) >= 3  # doublings crossed
 
 
 def test_auto_rules():
@@ -448,8 +488,8 @@ def test_the_switch_line_says_the_schedule_and_freeze_step_is_refused():
     assert opt.switch_message() == (
         "onebit: 0/1 Adam was Adam for 16 steps; from step 17 the momentum is averaged exactly "
         "in fp32 (compress_momentum=False or one process), the variance refreshed in full "
-        "precision to step 240 (64 refreshes), then local steps, the interval doubling every "
-        "110 steps up to 16")
+        "precision on 64 steps to step 241 (var_freeze_step + 1, as DeepSpeed counts), then "
+        "local steps, the interval doubling every 110 steps up to 16")
     short = ZeroOneAdam(nn.Linear(2, 2).parameters(), total_steps=100)
     short.switch_step = 16
     assert "no local steps in this run" in short.switch_message()
@@ -490,8 +530,8 @@ def test_a_local_step_clips_each_ranks_own_gradient_by_its_own_norm():
 
 def test_a_validation_between_syncs_is_said_once_or_synced_first(caplog):
     """Lightning's OneBitAdamCallback: a validation that starts between ZeroOneAdam's syncs
-    evaluates each rank's own point; it is said once (rank zero), or with
-    sync_before_validation=True the ranks sync first (one more sync, the schedule as it was)."""
+    evaluates each rank's own point with sync_before_validation=False, said once (rank zero);
+    by default the ranks sync first (one more sync, the schedule as it was)."""
     import logging
     import warnings
     from types import SimpleNamespace
@@ -514,7 +554,7 @@ def test_a_validation_between_syncs_is_said_once_or_synced_first(caplog):
         raise AssertionError("never between syncs")
 
     opt, trainer = between_syncs()
-    quiet = callback_cls()
+    quiet = callback_cls(sync_before_validation=False)
     with warnings.catch_warnings(record=True) as said, caplog.at_level(logging.WARNING):
         warnings.simplefilter("always")
         quiet.on_validation_start(trainer, None)
@@ -524,7 +564,7 @@ def test_a_validation_between_syncs_is_said_once_or_synced_first(caplog):
     assert len(said) == 1 and "sync_before_validation=True" in said[0], said
     assert opt.between_syncs  # the run's trajectory untouched
     opt, trainer = between_syncs()
-    syncing = callback_cls(sync_before_validation=True)
+    syncing = callback_cls()  # the default
     syncs = opt.syncs
     syncing.on_validation_start(trainer, None)
     assert not opt.between_syncs and opt.syncs == syncs + 1

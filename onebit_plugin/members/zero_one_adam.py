@@ -185,8 +185,10 @@ class ZeroOneAdam(OneBitOptimizer):
         params, lr, betas, eps: as for ``torch.optim.Adam``.
         weight_decay: decoupled (AdamW) decay by default, as DeepSpeed's ``ZeroOneAdam``
             applied it; ``decoupled_weight_decay=False`` adds it to the gradient (Adam's L2).
-        var_freeze_step: the last step of phase A (variance refreshes); ``"auto"`` (default):
-            from ``total_steps`` (``onebit_plugin.settings.schedule.auto_var_freeze_step``).
+        var_freeze_step: phase A (variance refreshes) runs to step ``var_freeze_step + 1``,
+            as DeepSpeed's did (it froze the variance after the first step past it); ``"auto"``
+            (default): from ``total_steps``
+            (``onebit_plugin.settings.schedule.auto_var_freeze_step``).
         var_update_scaler: refreshes per interval before the refresh interval doubles (16).
         local_step_scaler: phase-B steps before the local interval doubles; ``"auto"``
             (default): the interval reaches ``local_step_clipper`` after a quarter of phase B.
@@ -262,14 +264,15 @@ class ZeroOneAdam(OneBitOptimizer):
             s = self.policy.schedule(self.total_steps)
         except ValueError:  # "auto" without the run's length: the next step raises, saying so
             return first
-        if s.total_steps is not None and s.var_freeze_step >= s.total_steps:
+        if s.total_steps is not None and s.last_a >= s.total_steps:
             return (f"{first} and the variance refreshed in full precision on "
                     f"{refreshes_until(s.total_steps, s.var_update_scaler)} steps to the run's "
-                    f"end (var_freeze_step={s.var_freeze_step} >= total_steps="
+                    f"end (var_freeze_step + 1 = {s.last_a} >= total_steps="
                     f"{s.total_steps}: no local steps in this run)")
-        return (f"{first}, the variance refreshed in full precision to step "
-                f"{s.var_freeze_step} ({refreshes_until(s.var_freeze_step, s.var_update_scaler)}"
-                f" refreshes), then local steps, the interval doubling every "
+        return (f"{first}, the variance refreshed in full precision on "
+                f"{refreshes_until(s.last_a, s.var_update_scaler)} steps to step {s.last_a} "
+                f"(var_freeze_step + 1, as DeepSpeed counts), then local steps, the interval "
+                f"doubling every "
                 f"{s.local_step_scaler} steps up to {s.local_step_clipper}")
 
     # ------------------------------------------------------------------------------ progress
@@ -288,7 +291,7 @@ class ZeroOneAdam(OneBitOptimizer):
             else None
         if schedule is None:
             return self.global_step - self.skipped_steps
-        return refreshes_until(min(self.global_step, schedule.var_freeze_step),
+        return refreshes_until(min(self.global_step, schedule.last_a),
                                schedule.var_update_scaler)
 
     def progress(self) -> dict[str, float]:

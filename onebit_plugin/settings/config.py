@@ -262,8 +262,9 @@ def settings_from_env() -> EnvSettings | None:
         if freeze:
             raise ValueError(
                 "ONEBIT_FREEZE_STEP is 1-bit Adam's warm-up; with ONEBIT_OPTIMIZER=zero_one_adam "
-                "the variance is refreshed instead: ONEBIT_VAR_FREEZE_STEP (its last refresh "
-                "step, default auto) and ONEBIT_LOCAL_STEP_SCALER set 0/1 Adam's schedule")
+                "the variance is refreshed instead: ONEBIT_VAR_FREEZE_STEP (phase A runs to "
+                "that step + 1, as in DeepSpeed; default auto) and ONEBIT_LOCAL_STEP_SCALER set "
+                "0/1 Adam's schedule")
         schedule = dict(var_freeze_step=_env_steps("ONEBIT_VAR_FREEZE_STEP"),
                         local_step_scaler=_env_steps("ONEBIT_LOCAL_STEP_SCALER"))
         # The family's config holds the member's exact stage.

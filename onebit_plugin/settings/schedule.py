@@ -3,16 +3,20 @@
 Pure functions of the step number ``t`` (counted from 1 over every ``step()`` call, skipped
 ones included, so that every rank computes the same answer with nothing saved):
 
-* phase A, ``t <= var_freeze_step``: the variance is refreshed by a full-precision step at
-  ``t`` when ``t % interval == 0``, the interval starting at 1 and doubling after every
+* phase A, ``t <= var_freeze_step + 1``: the variance is refreshed by a full-precision step
+  at ``t`` when ``t % interval == 0``, the interval starting at 1 and doubling after every
   ``var_update_scaler`` refreshes (16: steps 1-16, then every 2nd step to 48, every 4th to 112,
   every 8th to 240, ...); the other steps exchange the momentum as 1-bit signs;
-* phase B, ``t > var_freeze_step``: the variance is fixed and ranks step locally; they sync at
-  ``t`` when ``t % interval == 0``, the interval starting at 1 and doubling every
+* phase B, ``t > var_freeze_step + 1``: the variance is fixed and ranks step locally; they
+  sync at ``t`` when ``t % interval == 0``, the interval starting at 1 and doubling every
   ``local_step_scaler`` steps of phase B, up to ``local_step_clipper``.
 
-DeepSpeed's ``ZeroOneAdam`` counted the same way (its ``var_interval``, ``local_step_interval``);
-here nothing of it is state, so a resumed run follows the uninterrupted one's schedule.
+DeepSpeed's ``ZeroOneAdam`` counted the same way (its ``var_interval``, ``local_step_interval``),
+phase A's end included: it freezes the variance after the first step past
+``var_freeze_step``, so that step still follows phase A's rule and phase B's interval starts
+counting at the step after it (``tests/test_zero_one.py`` replays DeepSpeed's counters against
+this schedule). Here nothing of it is state, so a resumed run follows the uninterrupted one's
+schedule.
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ __all__ = ["ZeroOneSchedule", "auto_var_freeze_step", "exact_steps", "local_inte
 
 def exact_steps(var_freeze_step: int | str, var_update_scaler: int) -> int:
     """The steps 0/1 Adam is plain Adam for (every step refreshes the variance): until the
-    refresh interval first doubles, or phase A ends sooner (``"auto"``: not sooner)."""
+    refresh interval first doubles, or phase A ends sooner (at ``var_freeze_step + 1``;
+    ``"auto"``: not sooner)."""
     if var_freeze_step == "auto":
         return var_update_scaler
-    return min(var_update_scaler, var_freeze_step)
+    return min(var_update_scaler, var_freeze_step + 1)
 
 
 def refreshes_variance(t: int, scaler: int) -> bool:
@@ -54,8 +59,9 @@ def refreshes_until(t: int, scaler: int) -> int:
 
 
 def local_interval(t: int, var_freeze_step: int, scaler: int, clipper: int) -> int:
-    """Phase B's interval between syncs at step ``t`` (> ``var_freeze_step``)."""
-    doublings = (t - var_freeze_step - 1) // scaler
+    """Phase B's interval between syncs at step ``t`` (> ``var_freeze_step + 1``, phase A's
+    last step)."""
+    doublings = (t - var_freeze_step - 2) // scaler
     # min() before the power: 2**doublings of a long run would be a huge int for nothing.
     return min(clipper, 2 ** min(doublings, clipper.bit_length()))
 
@@ -82,10 +88,16 @@ class ZeroOneSchedule:
     local_step_clipper: int
     total_steps: int | None = None
 
+    @property
+    def last_a(self) -> int:
+        """Phase A's last step: ``var_freeze_step + 1``, as DeepSpeed counted it (module
+        docstring)."""
+        return self.var_freeze_step + 1
+
     def kind(self, t: int) -> str:
         """What step ``t`` exchanges: EXACT, MOMENTUM, LOCAL or SYNC. The run's last step
         (``total_steps``) always syncs, so that it ends with every rank on the same point."""
-        if t <= self.var_freeze_step:
+        if t <= self.last_a:
             return EXACT if refreshes_variance(t, self.var_update_scaler) else MOMENTUM
         if t == self.total_steps:
             return SYNC
@@ -95,11 +107,11 @@ class ZeroOneSchedule:
 
     def phase(self, t: int) -> str:
         """``"A"`` (refreshes and 1-bit momentum) or ``"B"`` (local steps) at step ``t``."""
-        return "A" if t <= self.var_freeze_step else "B"
+        return "A" if t <= self.last_a else "B"
 
     def interval(self, t: int) -> int:
         """The refresh interval (phase A) or the local interval (phase B) at step ``t``."""
-        if t > self.var_freeze_step:
+        if t > self.last_a:
             return local_interval(t, self.var_freeze_step, self.local_step_scaler,
                                   self.local_step_clipper)
         interval, last = 1, 0
