@@ -108,7 +108,7 @@ def rank_main(args) -> None:
         label = opt.coming_exchange if onebit else "adam"
         if onebit and opt.stage == "warmup":
             label = "warmup"
-        elif onebit and not opt._units:
+        elif onebit and not (opt.layout and opt.layout.units):
             label = "freeze"  # this step() builds the compression stage's buffers
         elif label == "exact":
             label = "refresh"  # 0/1 Adam's variance refresh

@@ -263,9 +263,8 @@ MUTANTS = [
        "            states = [own_rank_state(state, 0, self.world_size)",
        "tests/test_lightning.py::"
        "test_rank_zero_exits_when_its_peer_hangs_and_fit_resumes_from_last"),
-    _m("streak-one-late", "row: no silent stall", BASE,
-       "if self._skip_streak >= self.config.max_skipped_steps:",
-       "if self._skip_streak > self.config.max_skipped_steps:",
+    _m("streak-one-late", "row: no silent stall", "onebit_plugin/core/skips.py",
+       "        if self.streak >= limit:", "        if self.streak > limit:",
        "tests/test_nonfinite.py::"
        "test_skipped_steps_are_said_each_time_and_a_streak_is_an_error"),
     _m("unfrozen-after-wrap-unseen", "row: a parameter unfrozen after DDP wrapped the model",

@@ -251,7 +251,7 @@ def _memory_worker(rank, world):
     opt.step()
     first = {p for p in net.parameters() if opt.state[p]}
     _train(net, opt, rank, steps=FREEZE - 1)
-    assert opt.stage == "compression" and opt._units is None
+    assert opt.stage == "compression" and opt.layout is None
     where = {p: opt.state[p]["exp_avg"].data_ptr() for p in net.parameters()}
     spare = opt.policy.warmup.flat
     start, end = spare.data_ptr(), spare.data_ptr() + 4 * spare.numel()

@@ -33,7 +33,9 @@ from onebit_plugin.comm.allreduce import ExactAllreduce, OneBitAllreduce
 from onebit_plugin.comm.byte_counts import ByteCounts
 from onebit_plugin.comm.topology import FlatTopology
 from onebit_plugin.core import checkpoint, compression_stage, rank_checks
+from onebit_plugin.core.checkpoint import Resumed
 from onebit_plugin.core.clipping import check_clip_args, value_clipping_error
+from onebit_plugin.core.compression_stage import UnitLayout
 from onebit_plugin.core.exchanges import StepExchange
 from onebit_plugin.core.handoff import HandOff
 from onebit_plugin.core.momentum import (
@@ -44,6 +46,7 @@ from onebit_plugin.core.momentum import (
 )
 from onebit_plugin.core.policy import Policy
 from onebit_plugin.core.run_length import RunLength
+from onebit_plugin.core.skips import Skips
 from onebit_plugin.maths.freeze import AutoFreeze
 from onebit_plugin.maths.update import say_if_rounded_away
 from onebit_plugin.settings.config import OneBitConfig
@@ -95,20 +98,16 @@ class OneBitOptimizer(Optimizer):
         self.run_length = RunLength(config.total_steps)
         self.global_step = 0
         self.switch_step: int | None = None
-        self.skipped_steps = 0  # steps skipped on every rank for a non-finite gradient
-        self._skip_streak = 0
+        self.skips = Skips()  # steps skipped for a non-finite gradient
         self._unit_cap_bytes = int((config.bucket_cap_mb or DEFAULT_UNIT_MB) * 2**20)
         self.counts = ByteCounts()
-        self._units: list[MomentumUnit] | None = None
-        self._unit_of: dict[torch.Tensor, MomentumUnit] = {}
-        self._steps: torch.Tensor | None = None  # the units' step counters, one tensor
-        self._step_index: dict[torch.Tensor, int] = {}  # param: its place in _steps
-        self._rows: tuple | None = None  # per group, what the update reads (update_rows)
-        self._saved: dict = {}  # the units' errors from a checkpoint, until they are built
+        # The compression stage's units, built at their first use (compression_stage), and
+        # what a loaded checkpoint leaves for them until then (checkpoint).
+        self.layout: UnitLayout | None = None
+        self.resumed = Resumed()
         self.handoff = HandOff()  # what backward leaves for step(), reset once per step
         self.syncs = 0  # syncs of local steps so far
         self._said_apart = False
-        self._local_streak = 0
         self._settings_checked = False
         self.hooked_params: set | None = None  # what the DDP hook averages, once registered
         # Set when the first step's gradients were already identical on every rank.
@@ -143,6 +142,21 @@ class OneBitOptimizer(Optimizer):
         return self.policy.step_exchange(t, self.run_length.total, self.switch_step is not None)
 
     @property
+    def unit_cap_bytes(self) -> int:
+        """The momentum units' size in bytes: the built units', a loaded checkpoint's until
+        they are built, else ``bucket_cap_mb`` (or DDP's bucket size under the hook)."""
+        if self.layout is not None:
+            return self.layout.cap_bytes
+        if self.resumed.unit_cap_bytes is not None:
+            return self.resumed.unit_cap_bytes
+        return self._unit_cap_bytes
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped on every rank for a non-finite gradient so far."""
+        return self.skips.total
+
+    @property
     def freeze_step(self) -> int | str:
         return self.config.freeze_step
 
@@ -174,15 +188,16 @@ class OneBitOptimizer(Optimizer):
     @property
     def units(self) -> list[MomentumUnit]:
         """The momentum units (built at the first use in the compression stage; empty before)."""
-        if self._units is None and self.switch_step is not None:
-            compression_stage.build_units(self)
-        return self._units or []
+        if self.layout is None and self.switch_step is not None:
+            self.layout = compression_stage.build_units(self)
+            compression_stage.settle_units(self)
+        return self.layout.units if self.layout is not None else []
 
     def unit_of(self, p: torch.Tensor) -> MomentumUnit | None:
         """The momentum unit that holds ``p``'s momentum (compression stage); None for a
         parameter in none (it was not trainable when the variance froze)."""
         self.units  # noqa: B018 - built on first use
-        return self._unit_of.get(p)
+        return self.layout.unit_of.get(p) if self.layout is not None else None
 
     @property
     def bytes_sent(self) -> int:
@@ -220,7 +235,7 @@ class OneBitOptimizer(Optimizer):
             self.config = self.config.replace(comm_timeout=comm_timeout)
         self.config = self.config.replace(average_grads=False)
         self.hooked_params = set(self.trainable())
-        if self.config.bucket_cap_mb is None and self._units is None and overlap:
+        if self.config.bucket_cap_mb is None and self.layout is None and overlap:
             self._unit_cap_bytes = int(bucket_bytes)
         group = self.topology.adopt(process_group, self.comm_timeout, self._device(),
                                     again=comm_timeout is not None)
@@ -349,28 +364,14 @@ class OneBitOptimizer(Optimizer):
             if p.grad is not None and p.grad.is_sparse:
                 raise ValueError(f"{type(self).__name__} does not support sparse gradients")
         rank_checks.check_trainable(self.param_groups, trainable, self.hooked_params,
-                                    set(self._unit_of) if self._units else None,
+                                    set(self.layout.unit_of) if self.layout and
+                                    self.layout.units else None,
                                     self.switch_step)
         self.global_step += 1
         if not self._settings_checked:
             rank_checks.check_ranks_agree(self, trainable)
         self._settings_checked = True
         self.exchange_for(self.global_step).step(self)
-
-    def _skip(self) -> None:
-        """A step skipped on every rank (some rank's gradient was not finite): said each time,
-        and an error after ``max_skipped_steps`` in a row, never a silent stall."""
-        self.skipped_steps += 1
-        self._skip_streak += 1
-        log.warning("onebit: step %d skipped on every rank: a gradient was inf or NaN on some "
-                    "rank (%d in a row, %d in all)", self.global_step, self._skip_streak,
-                    self.skipped_steps)
-        if self._skip_streak >= self.config.max_skipped_steps:
-            raise RuntimeError(
-                f"onebit: {self._skip_streak} steps in a row were skipped for inf/NaN gradients "
-                "(the loss has diverged, or the data holds NaN): lower the learning rate, clip "
-                "gradients or check the data; max_skipped_steps sets this limit"
-            )
 
     def _master(self, p: torch.Tensor, state: dict) -> torch.Tensor | None:
         """``p``'s fp32 master copy with ``master_weights`` (made from ``p`` when missing: the
@@ -386,7 +387,7 @@ class OneBitOptimizer(Optimizer):
 
     def _init_states(self, params: list[torch.Tensor]) -> None:
         init_states_in_unit_order(self.state, params,
-                                  partition(self.trainable(), self._unit_cap_bytes))
+                                  partition(self.trainable(), self.unit_cap_bytes))
 
     # ---------------------------------------------------------------------- the stage change
     def switch_message(self) -> str | None:
@@ -436,8 +437,7 @@ class OneBitOptimizer(Optimizer):
     def _forget_layout(self) -> None:
         """After a load: the units, counters' views and this iteration are rebuilt from the new
         state, and the ranks' settings checked again at the next step."""
-        self._units, self._unit_of = None, {}
-        self._steps = self._rows = None
+        self.layout = None
         self.policy.forget(self)  # its state over the units is rebuilt with them
         self.handoff.reset()
         self._settings_checked = False

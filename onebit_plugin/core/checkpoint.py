@@ -7,18 +7,33 @@ carry every rank's beside rank 0's checkpoint, ``integrations/rank_states.py``).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["load_onebit_state", "load_state", "load_unit_errors", "onebit_state"]
+__all__ = ["Resumed", "load_onebit_state", "load_state", "load_unit_errors", "onebit_state"]
 
 log = logging.getLogger("onebit_plugin")
 
 
+@dataclass
+class Resumed:
+    """What a loaded ``onebit`` entry leaves for the momentum units until they are built
+    (``OneBitOptimizer.resumed``): this rank's saved errors per unit, the unit size they were
+    cut at, the rank that saved them, what they are residuals of, and a member's local-step
+    state (0/1 Adam's between syncs). Each is taken (set back to None) when used."""
+
+    units: list | None = None
+    unit_cap_bytes: int | None = None
+    rank: int | None = None
+    sent: str = "momentum"
+    local_steps: dict | None = None
+
+
 def onebit_state(opt) -> dict:
     """``opt.onebit_state_dict()``."""
-    units = ([u.state_dict() for u in opt._units] if opt._units is not None
-             else opt._saved.get("units"))
+    units = ([u.state_dict() for u in opt.layout.units] if opt.layout is not None
+             else opt.resumed.units)
     return {"global_step": opt.global_step, "freeze_step": opt.freeze_step,
             "auto_freeze": (opt.auto_freeze.state_dict()
                             if opt.auto_freeze is not None and opt.switch_step is None
@@ -26,7 +41,7 @@ def onebit_state(opt) -> dict:
             "switch_step": opt.switch_step, "skipped_steps": opt.skipped_steps,
             "world_size": opt.world_size,
             "rank": opt.topology.rank,
-            "unit_cap_bytes": opt._unit_cap_bytes, **opt.counts.state_dict(),
+            "unit_cap_bytes": opt.unit_cap_bytes, **opt.counts.state_dict(),
             "clipping": opt.handoff.sketch is not None, "units": units,
             "local_steps": opt.policy.rank_state(opt), "syncs": opt.syncs,
             "variance_clock": "steps", "sent": opt.policy.exchange.sent}
@@ -87,18 +102,18 @@ def load_onebit_state(opt, onebit: dict) -> None:
     auto = onebit.get("auto_freeze")
     if opt.auto_freeze is not None and auto is not None:  # resumed mid warm-up
         opt.auto_freeze.load_state_dict(auto, [p.device for p in opt.trainable()])
-    opt.skipped_steps = int(onebit["skipped_steps"])
+    opt.skips.total = int(onebit["skipped_steps"])
     opt.syncs = int(onebit.get("syncs", 0))  # absent before 0/1 Adam
     opt.counts.load_state_dict(onebit)
     if onebit.get("clipping"):  # so that the hook sketches the first resumed step too
         opt.handoff.start_sketching(opt.trainable())
-    opt._saved = {}
+    opt.resumed = Resumed()
     if onebit["units"] is not None:
         # Whose errors they are is checked when the units take them (load_unit_errors): the
         # integrations load rank 0's whole state first, then each rank's own errors.
-        opt._saved.update(units=onebit["units"], unit_cap_bytes=onebit["unit_cap_bytes"],
-                          rank=onebit.get("rank"),  # absent in states saved before this field
-                          sent=onebit.get("sent", "momentum"))  # absent: the momentum
+        opt.resumed = Resumed(units=onebit["units"], unit_cap_bytes=onebit["unit_cap_bytes"],
+                              rank=onebit.get("rank"),  # absent in states saved before it
+                              sent=onebit.get("sent", "momentum"))  # absent: the momentum
     opt._forget_layout()
     opt.policy.load_rank_state(opt, onebit.get("local_steps"))
 
@@ -148,12 +163,13 @@ def _restart_error_feedback(opt, onebit: dict, saved_world: int) -> dict:
 
 def load_unit_errors(opt, saved: list[dict]) -> None:
     """Give the units just built their saved error buffers, if this rank saved them."""
-    if len(saved) != len(opt._units):
+    units = opt.layout.units
+    if len(saved) != len(units):
         raise ValueError(f"the checkpoint holds {len(saved)} momentum units, this "
-                         f"optimizer has {len(opt._units)}")
+                         f"optimizer has {len(units)}")
     rank = opt.topology.rank
-    saved_by = opt._saved.pop("rank", None)
-    sent = opt._saved.pop("sent", "momentum")
+    saved_by, sent = opt.resumed.rank, opt.resumed.sent
+    opt.resumed.rank, opt.resumed.sent = None, "momentum"
     errors = any(set(state) - {"numel"} for state in saved)  # none when exact
     if errors and sent != opt.policy.exchange.sent:
         if rank == 0:
@@ -175,15 +191,15 @@ def load_unit_errors(opt, saved: list[dict]) -> None:
             "examples/train_torchrun.py --ckpt-dir shows it in a plain loop)",
             rank, type(opt).__name__, saved_by, saved_by)
         return  # the errors stay zero
-    plan = opt._units[0].plan if opt._units else None
+    plan = units[0].plan if units else None
     theirs = next((d for s in saved if (d := plan.error_dtype_of(s)) is not None), None) \
         if plan is not None else None
-    ours = plan.error_dtype_of(opt._units[0].errors) if plan is not None else None
+    ours = plan.error_dtype_of(units[0].errors) if plan is not None else None
     if theirs is not None and ours is not None and theirs != ours:
         log.warning("onebit: rank %d's checkpoint holds %s error buffers and this optimizer "
                     "keeps %s ones (error_dtype): they are converted%s, so the run goes on "
                     "from them but is not bit for bit the one that saved them", rank,
                     str(theirs).removeprefix("torch."), opt.config.error_dtype,
                     " (rounded to nearest once)" if theirs == torch.float32 else " exactly")
-    for unit, state in zip(opt._units, saved, strict=True):
+    for unit, state in zip(units, saved, strict=True):
         unit.load_state_dict(state)

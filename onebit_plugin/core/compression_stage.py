@@ -9,6 +9,7 @@ privates, as ``onebit_plugin.core.checkpoint``'s; ``step()`` calls them as the p
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -18,37 +19,56 @@ from onebit_plugin.core.momentum import build_units as build
 from onebit_plugin.core.momentum import partition, refresh_denominators
 from onebit_plugin.core.momentum import update_rows as rows_of
 
-__all__ = ["build_units", "count_step", "frozen_update", "momentum_step", "refresh_step",
-           "update_rows"]
+__all__ = ["UnitLayout", "build_units", "count_step", "frozen_update", "momentum_step",
+           "refresh_step", "settle_units", "update_rows"]
 
 log = logging.getLogger("onebit_plugin")
 
 
-def build_units(opt) -> None:
-    """Move every momentum into its unit (``state['exp_avg']`` become views) and load the
-    units' saved errors, and a checkpoint's local-step state, if it left some."""
-    saved = opt._saved.pop("units", None)
-    if saved is not None:
-        opt._unit_cap_bytes = opt._saved.pop("unit_cap_bytes")
+@dataclass
+class UnitLayout:
+    """The compression stage's momentum units as built (``OneBitOptimizer.layout``): the units,
+    each parameter's unit, the step counters as views of one tensor and each trainable
+    parameter's place in it, the unit size they were cut at, and the update's rows (made again
+    when the trainable parameters change, :func:`update_rows`)."""
+
+    units: list
+    unit_of: dict
+    steps: torch.Tensor
+    step_index: dict
+    cap_bytes: int
+    rows: tuple | None = None
+
+
+def build_units(opt) -> UnitLayout:
+    """Move every momentum into its unit (``state['exp_avg']`` become views): the layout,
+    which the optimizer takes before :func:`settle_units` gives the units what a checkpoint
+    left for them."""
+    cap = opt.unit_cap_bytes  # a checkpoint's, when it left units
     # Warm-up's gradient buffer (without DDP) is resident and no longer used: the units'
     # fold buffers are cut from it rather than from new memory (MomentumUnit's note).
     spare = opt.policy.warmup.release_buffer()
-    opt._units = build(
-        partition(opt.trainable(), opt._unit_cap_bytes), opt.state,
+    units = build(
+        partition(opt.trainable(), cap), opt.state,
         {p: g for g in opt.param_groups for p in g["params"]}, opt._masks,
         opt.config.mask_zero_variance, opt.communicator, spare, opt.policy.keeps_variance,
         opt.policy.exchange.send_bound)
-    opt._unit_of = {p: u for u in opt._units for p in u.params}
-    _say_if_compact_errors_save_nothing(opt)
     # The step counters become views of one tensor: one add and one read a step for all of
     # them (a foreach add, a stack and a read of some 100 scalar tensors cost ~0.7 ms).
     trainable = opt.trainable()
-    opt._steps = torch.tensor([float(opt.state[p]["step"]) for p in trainable],
-                              dtype=torch.float32)
-    for p, count in zip(trainable, opt._steps.unbind(), strict=True):
+    steps = torch.tensor([float(opt.state[p]["step"]) for p in trainable], dtype=torch.float32)
+    for p, count in zip(trainable, steps.unbind(), strict=True):
         opt.state[p]["step"] = count
-    opt._step_index = {p: i for i, p in enumerate(trainable)}
-    opt._rows = None
+    return UnitLayout(units, {p: u for u in units for p in u.params}, steps,
+                      {p: i for i, p in enumerate(trainable)}, cap)
+
+
+def settle_units(opt) -> None:
+    """The units just built take a checkpoint's errors, if it left some, and the member's own
+    state over them (``Policy.units_built``)."""
+    _say_if_compact_errors_save_nothing(opt)
+    saved, opt.resumed.units = opt.resumed.units, None
+    opt.resumed.unit_cap_bytes = None  # the layout holds it now
     if saved is not None:
         checkpoint.load_unit_errors(opt, saved)
     opt.policy.units_built(opt)
@@ -59,11 +79,12 @@ def _say_if_compact_errors_save_nothing(opt) -> None:
     one unit at a time into fp32 scratch, (4 + 4/W) bytes per value of the largest unit: they
     save memory only when the largest unit holds less than half of the values. Said once, on
     rank 0, at the build."""
-    if opt.config.error_dtype == "float32" or not opt._units or opt._rank != 0 or \
-            not opt._units[0].errors:
+    units = opt.layout.units
+    if opt.config.error_dtype == "float32" or not units or opt.topology.rank != 0 or \
+            not units[0].errors:
         return
-    largest = max(u.momentum.numel() for u in opt._units)
-    total = sum(u.momentum.numel() for u in opt._units)
+    largest = max(u.momentum.numel() for u in units)
+    total = sum(u.momentum.numel() for u in units)
     if 2 * largest >= total:
         log.warning(
             "onebit: error_dtype='bfloat16' saves no memory here: the largest momentum unit "
@@ -89,8 +110,8 @@ def momentum_step(opt) -> None:
         # Left encoded where the CPU update pass can decode it as it reads it.
         ok &= unit.reduce_(opt.communicator, {p: p.grad for p in unit.params}, decode=False)
     if not ok:
-        return opt._skip()
-    opt._skip_streak = 0
+        return opt.skips.everywhere(opt.global_step, opt.config.max_skipped_steps)
+    opt.skips.stepped()
     handoff.settle(opt.units)
     frozen_update(opt, count_step(opt), averaged=True)
 
@@ -101,8 +122,9 @@ def refresh_step(opt) -> None:
     denominators and masks from the variances, then the frozen-variance update."""
     trainable = opt.trainable()
     if not all_finite([p.grad for p in trainable if p.grad is not None]):
-        return opt._skip()  # averaged: the same decision on every rank
-    opt._skip_streak = 0
+        # Averaged: the same decision on every rank.
+        return opt.skips.everywhere(opt.global_step, opt.config.max_skipped_steps)
+    opt.skips.stepped()
     for group, params, _, _, exp_avgs, _ in update_rows(opt)[0]:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         opt.policy.refresh_moments_(group, params, grads, [opt.state[p] for p in params],
@@ -116,11 +138,12 @@ def refresh_step(opt) -> None:
 def count_step(opt) -> list[float]:
     """Advance the trainable parameters' step counters; every counter, as numbers."""
     counting = update_rows(opt)[1]
+    steps = opt.layout.steps
     if counting is None:
-        opt._steps.add_(1.0)
+        steps.add_(1.0)
     else:  # some parameters of the units are not trainable now: their counts stay
-        opt._steps.index_add_(0, counting, torch.ones(counting.numel()))
-    return opt._steps.tolist()
+        steps.index_add_(0, counting, torch.ones(counting.numel()))
+    return steps.tolist()
 
 
 def frozen_update(opt, counts: list[float], *, averaged: bool,
@@ -150,7 +173,8 @@ def update_rows(opt) -> tuple[list, torch.Tensor | None]:
     refresh may come first: var_update_scaler=1, or a phase-A checkpoint before a refresh)."""
     opt.units  # noqa: B018 - built on first use
     trainable = tuple(map(id, opt.trainable()))
-    if opt._rows is None or opt._rows[0] != trainable:
-        opt._rows = (trainable, *rows_of(opt.param_groups, opt._unit_of, opt._step_index,
-                                         opt._steps.numel()))
-    return opt._rows[1:]
+    layout = opt.layout
+    if layout.rows is None or layout.rows[0] != trainable:
+        layout.rows = (trainable, *rows_of(opt.param_groups, layout.unit_of, layout.step_index,
+                                           layout.steps.numel()))
+    return layout.rows[1:]

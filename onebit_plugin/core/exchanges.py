@@ -56,6 +56,11 @@ class StepExchange:
         """``(name, tensor)`` of the buffers this exchange holds (``onebit_plugin.core.memory``)."""
         return []
 
+    def release_buffer(self) -> torch.Tensor | None:
+        """A buffer this exchange no longer needs once the variance freezes, which the momentum
+        units' fold buffers are cut from; None: none."""
+        return None
+
 
 class MomentumStep(StepExchange):
     """The compression stage's momentum units, each through ``wire``'s communicator (1-bit

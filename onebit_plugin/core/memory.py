@@ -23,7 +23,7 @@ def _tensors(opt) -> list[tuple[str, torch.Tensor]]:
                 out.append(({"exp_avg": "momentum", "exp_avg_sq": "variance",
                              "frozen_denominator": "frozen denominator",
                              "master": "master weights"}.get(key, f"state[{key!r}]"), value))
-    for unit in opt._units or []:
+    for unit in opt.layout.units if opt.layout is not None else []:
         out.append(("frozen denominator", unit.denom))
         if unit._local is not None:  # made at its first use (not by asking here)
             out.append(("fold buffer", unit._local))

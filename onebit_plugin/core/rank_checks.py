@@ -225,7 +225,7 @@ def check_ranks_agree(opt, params: list[torch.Tensor]) -> None:
     settings = {
         **opt.config.agreement(opt.auto_freeze.total_steps if opt.auto_freeze else None),
         **opt.policy.agreement(opt.run_length.total),
-        "bucket bytes": opt._unit_cap_bytes, "global_step": opt.global_step,
+        "bucket bytes": opt.unit_cap_bytes, "global_step": opt.global_step,
         "trainable parameters": len(params),
         "trainable values": sum(p.numel() for p in params),
     }

@@ -23,9 +23,9 @@ def warmup_step(opt) -> None:
     stepped = [p for p in opt.trainable() if p.grad is not None]
     # After averaging every rank holds the same gradients, hence the same decision.
     if not all_finite([p.grad for p in stepped]):
-        opt._skip()
+        opt.skips.everywhere(opt.global_step, opt.config.max_skipped_steps)
     else:
-        opt._skip_streak = 0
+        opt.skips.stepped()
         opt._init_states([p for p in stepped if not opt.state[p]])
         for g in opt.param_groups:
             params = [p for p in g["params"] if p.requires_grad and p.grad is not None]

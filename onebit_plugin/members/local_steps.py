@@ -19,10 +19,10 @@ embedding row over a stale variance) does not carry the excess into the next int
 word-embedding workload of ``benchmarks/fidelity.py`` (2,000 steps, seeds 0 and 1, rank 0's
 own point at step 1,998, between syncs) the unclamped mean momentum (the paper's ``u``,
 accumulated separately) ended 3.0% and 3.4% above Adam where this ended within 1%
-(docs/benchmarks.md, history). Taken from the parameters, it needs no buffer and no pass per local
-step: one pass at the sync, whose rounding (an ulp of ``p`` against the interval's movement) is
-far below the 1-bit compression's error. The units' 1-bit allreduce averages ``y``; every rank
-then takes it as the momentum and lands on
+(docs/benchmarks.md, "0/1 Adam, long runs"). Taken from the parameters, it needs no buffer
+and no pass per local step: one pass at the sync, whose rounding (an ulp of ``p`` against the
+interval's movement) is far below the 1-bit compression's error. The units' 1-bit allreduce
+averages ``y``; every rank then takes it as the momentum and lands on
 
     p = D * x - L * clamp(avg(y) / (denom * (1 - b1**t)), -1, 1)
 
@@ -215,12 +215,12 @@ def take_step(opt, sync: bool) -> None:
     grads = {p: p.grad for p in trainable}
     counts = compression_stage.count_step(opt)  # every rank counts it: the counts agree
     if all_finite([g for g in grads.values() if g is not None]):
-        opt._local_streak = 0
+        opt.skips.stepped_locally()
         LocalSteps.fold_(units, grads)
         compression_stage.frozen_update(opt, counts, averaged=False,
                                         local_bound=local_bound(opt.world_size))
     else:
-        _skip_locally(opt)
+        opt.skips.locally(opt.global_step, opt.topology.rank, opt.config.max_skipped_steps)
     opt.policy.local.advance(opt.param_groups)
     # What DDP with Adam would have sent for this step, for compression_ratio.
     opt.counts.add_exact(0, ring_bytes(4 * sum(p.numel() for p in trainable),
@@ -254,7 +254,7 @@ def freeze_variances(opt) -> None:
 
 def corrections(opt, counts: list[float]) -> dict:
     """m's bias correction ``1 - b1**t`` of every unit's parameter at its count."""
-    return {p: 1 - unit.hypers[p]["betas"][0] ** counts[opt._step_index[p]]
+    return {p: 1 - unit.hypers[p]["betas"][0] ** counts[opt.layout.step_index[p]]
             for unit in opt.units for p in unit.params}
 
 
@@ -268,22 +268,9 @@ def sync_ranks(opt, corrections: dict) -> None:
                     "goes back to the last sync's point (decayed), the %d local steps "
                     "since are dropped and the momentum restarts from zero",
                     opt.global_step, local.steps)
-        opt.skipped_steps += 1
+        opt.skips.total += 1
     local.land_(opt.units, opt.param_groups, opt._land, corrections, ok=ok,
                 bounded=opt.config.bound_update)
-
-
-def _skip_locally(opt) -> None:
-    """This rank's gradient was inf or NaN in a local step: this rank does not move (the others,
-    which send nothing now, do not know); an error after ``max_skipped_steps`` in a row."""
-    opt._local_streak += 1
-    log.warning("onebit: local step %d skipped on rank %d: its gradient was inf or NaN "
-                "(%d in a row)", opt.global_step, opt._rank, opt._local_streak)
-    if opt._local_streak >= opt.config.max_skipped_steps:
-        raise RuntimeError(
-            f"onebit: {opt._local_streak} local steps in a row were skipped on rank "
-            f"{opt._rank} for inf/NaN gradients: lower the learning rate, clip gradients "
-            "or check the data; max_skipped_steps sets this limit")
 
 
 def saved_state(opt) -> dict | None:
@@ -303,7 +290,7 @@ def saved_state(opt) -> dict | None:
 def restore(opt) -> None:
     """The units were just built: a checkpoint's local-step state, if it left one, onto them
     (``ZeroOnePolicy.units_built``)."""
-    local = opt._saved.pop("local_steps", None)
+    local, opt.resumed.local_steps = opt.resumed.local_steps, None
     if local is not None:
         opt.policy.local = LocalSteps(opt.units, opt._fp32_of, opt.param_groups)
         opt.policy.local.load_state_dict(local, opt.units)
@@ -312,7 +299,7 @@ def restore(opt) -> None:
 def load_saved_state(opt, saved: dict | None) -> None:
     """This rank's parameters and momenta between syncs, now (after the model's weights); the
     rest when the units are built."""
-    opt._saved["local_steps"] = saved
+    opt.resumed.local_steps = saved
     if saved is None:
         return
     trainable = opt.trainable()

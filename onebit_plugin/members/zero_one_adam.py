@@ -117,10 +117,10 @@ class ZeroOnePolicy(AdamPolicy):
 
     def sync_now(self, opt) -> None:
         if self.apart(opt):
-            local_steps.sync_ranks(opt, local_steps.corrections(opt, opt._steps.tolist()))
+            local_steps.sync_ranks(opt, local_steps.corrections(opt, opt.layout.steps.tolist()))
 
     def sync_point(self, opt) -> list | None:
-        saved = opt._saved.get("local_steps")  # resumed between syncs, the units not built yet
+        saved = opt.resumed.local_steps  # resumed between syncs, the units not built yet
         if saved:
             return saved["anchors"]
         return list(self.local.anchor.values()) if self.apart(opt) else None
