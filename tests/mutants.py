@@ -44,6 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TAG = "ONEBITMUTANTS_RUN"
 TIMEOUT = 900  # seconds per pytest run; a mutant that hangs a test past it counts as killed
+IMPORTS = ".imports"  # in the copied tree: the folder PYTHONPATH names (_copy_tree)
 
 
 @dataclass(frozen=True)
@@ -526,6 +527,13 @@ def _copy_tree(dest: Path) -> None:
             shutil.copy2(src, dest / name)
     for sub in ("kernels", "integrations"):
         (dest / "onebit_plugin" / sub).symlink_to(dest / sub, target_is_directory=True)
+    # What PYTHONPATH names: the package alone. The tree's root would also put its kernels/
+    # and integrations/ folders first on every process's path, over the PyPI packages of those
+    # names (transformers imports Hugging Face's kernels, 0.19.1 on this machine, 2026-12-03:
+    # the Trainer tests' ranks failed on an ImportError from the tree's kernels/).
+    (dest / IMPORTS).mkdir()
+    (dest / IMPORTS / "onebit_plugin").symlink_to(dest / "onebit_plugin",
+                                                  target_is_directory=True)
 
 
 def _check(mutants: list[Mutant], tree: Path) -> None:
@@ -587,7 +595,8 @@ def _verdict(tests: tuple[str, ...], outcomes: dict, code: int) -> tuple[str, st
 def _pytest(tree: Path, tests: list[str], extra: list[str]) -> tuple[int, float, str, dict]:
     tag = uuid.uuid4().hex
     # No bytecode: a mutated file and its restored original may share a size and an mtime.
-    env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1", **{RUN_TAG: tag})
+    env = dict(os.environ, PYTHONPATH=str(tree / IMPORTS), PYTHONDONTWRITEBYTECODE="1",
+               **{RUN_TAG: tag})
     env.pop("PYTEST_ADDOPTS", None)
     report = tree / f"report-{tag}.xml"
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
