@@ -4,13 +4,60 @@ import pytest
 import torch
 from torch import nn
 
-from onebit_plugin import LockstepError, OneBitAdam, check_lockstep
+from onebit_plugin import LockstepError, OneBitAdam, OneBitLamb, ZeroOneAdam, check_lockstep
 from tests.dist_helpers import run_ranks
 
 
 def test_empty_parameter_list():
     with pytest.raises(ValueError, match="empty parameter list"):
         OneBitAdam([], freeze_step=5)
+
+
+@pytest.mark.parametrize("member", [OneBitAdam, OneBitLamb, ZeroOneAdam])
+def test_a_misspelt_family_option_names_the_option_and_the_nearest(member):
+    params = nn.Linear(2, 2).parameters()
+    schedule = {} if member is ZeroOneAdam else {"freeze_step": 4}
+    with pytest.raises(TypeError, match=rf"^{member.__name__}\(\) got an unexpected keyword "
+                                        r"argument 'max_blok' \(did you mean 'max_block'\?\)"):
+        member(params, max_blok=1024, **schedule)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'overlap'$"):
+        member(params, overlap=True, **schedule)
+    # Spelt right, each option reaches the config, and a bad value is the config's error.
+    opt = member(nn.Linear(2, 2).parameters(), max_block=1024, bound_update=False,
+                 error_dtype="bfloat16", **schedule)
+    assert (opt.config.max_block, opt.config.bound_update, opt.config.error_dtype) == \
+        (1024, False, "bfloat16")
+    with pytest.raises(ValueError, match="max_block must be a positive multiple of 8"):
+        member(nn.Linear(2, 2).parameters(), max_block=12, **schedule)
+
+
+def test_zero_one_adam_refuses_one_bit_adams_options_saying_why():
+    params = nn.Linear(2, 2).parameters()
+    with pytest.raises(TypeError, match=r"ZeroOneAdam\(\) takes no 'freeze_step': .*"
+                                        r"var_freeze_step"):
+        ZeroOneAdam(params, freeze_step=10)
+    with pytest.raises(TypeError, match=r"takes no 'compress_momentum': .*OneBitAdam"):
+        ZeroOneAdam(params, compress_momentum=False)
+
+
+def test_the_family_options_are_declared_once_and_read_as_keyword_arguments():
+    """One declaration (OneBitConfig's fields): every member takes each of them by name, and a
+    reader of signatures (jsonargparse, as LightningCLI uses it) sees them with their types."""
+    import dataclasses
+
+    from jsonargparse import ArgumentParser
+
+    from onebit_plugin.settings.config import FamilyOptions, OneBitConfig
+
+    fields = {f.name for f in dataclasses.fields(OneBitConfig)} - {"freeze_step"}
+    assert set(FamilyOptions.__annotations__) == fields
+    parser = ArgumentParser()
+    parser.add_class_arguments(ZeroOneAdam, "opt", skip={"params"})
+    got = parser.parse_args(["--opt.max_block=1024", "--opt.bound_update=false",
+                             "--opt.comm_timeout=30"]).opt
+    assert (got.max_block, got.bound_update, got.comm_timeout) == (1024, False, 30.0)
+    with pytest.raises(SystemExit):  # a typed option: not a number
+        parser.parse_args(["--opt.max_block=many"])
 
 
 @pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate")

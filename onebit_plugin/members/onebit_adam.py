@@ -15,6 +15,7 @@ A thin member of the family: the base (``onebit_plugin.core.base``) runs every s
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Unpack
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from onebit_plugin.core.base import COMPRESSION, WARMUP, OneBitOptimizer
 from onebit_plugin.core.policy import AdamPolicy, ExactMomentum, OneBitMomentum
 from onebit_plugin.maths.masks import NEGLIGIBLE_VARIANCE, negligible_root
-from onebit_plugin.settings.config import OneBitConfig, check_hparams
+from onebit_plugin.settings.config import FamilyOptions, check_hparams, member_config
 
 __all__ = ["COMPRESSION", "NEGLIGIBLE_VARIANCE", "WARMUP", "OneBitAdam", "negligible_root"]
 
@@ -94,30 +95,13 @@ class OneBitAdam(OneBitOptimizer):
         weight_decay: float = 0.0,
         freeze_step: int | str | None = None,
         *,
-        total_steps: int | None = None,
         decoupled_weight_decay: bool = False,
-        max_block: int = 2048,
-        scale: str = "rms",
-        mask_zero_variance: bool = True,
         masks: dict[torch.Tensor, torch.Tensor] | None = None,
         process_group: dist.ProcessGroup | None = None,
-        average_grads: bool = True,
-        compress_momentum: bool = True,
-        bound_update: bool = True,
-        comm_timeout: float | None = None,
-        bucket_cap_mb: float | None = None,
-        max_skipped_steps: int = 20,
-        master_weights: bool = False,
-        error_dtype: str = "float32",
+        **options: Unpack[FamilyOptions],
     ):
         check_hparams(lr, betas, eps, weight_decay)
-        config = OneBitConfig(
-            freeze_step=freeze_step, total_steps=total_steps, max_block=max_block, scale=scale,
-            mask_zero_variance=mask_zero_variance, average_grads=average_grads,
-            compress_momentum=compress_momentum, bound_update=bound_update,
-            comm_timeout=comm_timeout, bucket_cap_mb=bucket_cap_mb,
-            max_skipped_steps=max_skipped_steps, master_weights=master_weights,
-            error_dtype=error_dtype)
+        config = member_config("OneBitAdam", freeze_step, options)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         decoupled_weight_decay=decoupled_weight_decay)
         exchange = OneBitMomentum() if config.compress_momentum else ExactMomentum()

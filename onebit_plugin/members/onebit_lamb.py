@@ -18,6 +18,7 @@ what it measured).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Unpack
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from onebit_plugin.core.base import OneBitOptimizer
 from onebit_plugin.core.policy import ExactMomentum, OneBitMomentum, OverDenominator, Policy
 from onebit_plugin.maths.lamb_update import frozen_lamb_update_, lamb_update_
-from onebit_plugin.settings.config import OneBitConfig, check_hparams
+from onebit_plugin.settings.config import FamilyOptions, check_hparams, member_config
 
 __all__ = ["LambPolicy", "OneBitLamb"]
 
@@ -145,30 +146,13 @@ class OneBitLamb(OneBitOptimizer):
         factor_min: float = 0.5,
         factor_threshold: float = 0.1,
         *,
-        total_steps: int | None = None,
-        max_block: int = 2048,
-        scale: str = "rms",
-        mask_zero_variance: bool = True,
         masks: dict[torch.Tensor, torch.Tensor] | None = None,
         process_group: dist.ProcessGroup | None = None,
-        average_grads: bool = True,
-        compress_momentum: bool = True,
-        bound_update: bool = True,
-        comm_timeout: float | None = None,
-        bucket_cap_mb: float | None = None,
-        max_skipped_steps: int = 20,
-        master_weights: bool = False,
-        error_dtype: str = "float32",
+        **options: Unpack[FamilyOptions],
     ):
         check_hparams(lr, betas, eps, weight_decay)
         _check_lamb(max_coeff, min_coeff, coeff_beta, factor_max, factor_min, factor_threshold)
-        config = OneBitConfig(
-            freeze_step=freeze_step, total_steps=total_steps, max_block=max_block, scale=scale,
-            mask_zero_variance=mask_zero_variance, average_grads=average_grads,
-            compress_momentum=compress_momentum, bound_update=bound_update,
-            comm_timeout=comm_timeout,
-            bucket_cap_mb=bucket_cap_mb, max_skipped_steps=max_skipped_steps,
-            master_weights=master_weights, error_dtype=error_dtype)
+        config = member_config("OneBitLamb", freeze_step, options)
         # decoupled_weight_decay: the fold of a local gradient into the momentum leaves the
         # decay out; LAMB adds it to the update itself.
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,

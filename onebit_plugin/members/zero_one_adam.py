@@ -25,6 +25,7 @@ decay is decoupled exactly (docs/usage.md, "0/1 Adam").
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Unpack
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ from onebit_plugin.core.base import OneBitOptimizer
 from onebit_plugin.core.gradient_average import GradientAverage
 from onebit_plugin.core.policy import AdamPolicy, OneBitMomentum
 from onebit_plugin.members import local_steps
-from onebit_plugin.settings.config import OneBitConfig, check_hparams
+from onebit_plugin.settings.config import FamilyOptions, check_hparams, member_config
 from onebit_plugin.settings.schedule import (
     ZeroOneSchedule,
     auto_var_freeze_step,
@@ -215,38 +216,24 @@ class ZeroOneAdam(OneBitOptimizer):
         local_step_scaler: int | str = AUTO,
         local_step_clipper: int = 16,
         *,
-        total_steps: int | None = None,
         decoupled_weight_decay: bool = True,
-        max_block: int = 2048,
-        scale: str = "rms",
-        mask_zero_variance: bool = True,
         masks: dict[torch.Tensor, torch.Tensor] | None = None,
         process_group: dist.ProcessGroup | None = None,
-        average_grads: bool = True,
-        bound_update: bool = True,
-        comm_timeout: float | None = None,
-        bucket_cap_mb: float | None = None,
-        max_skipped_steps: int = 20,
-        master_weights: bool = False,
-        error_dtype: str = "float32",
-        freeze_step: None = None,
+        **options: Unpack[FamilyOptions],
     ):
         check_hparams(lr, betas, eps, weight_decay)
         _check_schedule(var_freeze_step, var_update_scaler, local_step_scaler,
                         local_step_clipper)
-        config = OneBitConfig(
-            # The base's exact stage: Adam until the refresh interval first doubles.
-            freeze_step=exact_steps(var_freeze_step, var_update_scaler),
-            total_steps=total_steps, max_block=max_block, scale=scale,
-            mask_zero_variance=mask_zero_variance, average_grads=average_grads,
-            bound_update=bound_update, comm_timeout=comm_timeout, bucket_cap_mb=bucket_cap_mb,
-            max_skipped_steps=max_skipped_steps, master_weights=master_weights,
-            error_dtype=error_dtype)
+        # The base's exact stage: Adam until the refresh interval first doubles.
+        config = member_config(
+            "ZeroOneAdam", exact_steps(var_freeze_step, var_update_scaler), options,
+            refused={"freeze_step": "that is 1-bit Adam's warm-up; 0/1 Adam's variance is "
+                                    "refreshed to var_freeze_step instead (default 'auto')",
+                     "compress_momentum": "0/1 Adam's syncs and phase-A steps are its 1-bit "
+                                          "exchange (OneBitAdam(compress_momentum=False) is "
+                                          "the exact ablation)"})
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         decoupled_weight_decay=decoupled_weight_decay)
-        if freeze_step is not None:
-            raise TypeError("ZeroOneAdam has no freeze_step (1-bit Adam's warm-up): its "
-                            "variance is refreshed to var_freeze_step instead (default 'auto')")
         policy = ZeroOnePolicy(var_freeze_step, var_update_scaler, local_step_scaler,
                                local_step_clipper)
         super().__init__(params, defaults, config, policy, masks=masks,

@@ -15,12 +15,13 @@ import dataclasses
 import difflib
 import os
 from dataclasses import dataclass
+from typing import TypedDict, get_type_hints
 
 from onebit_plugin.settings.registry import member_named
 from onebit_plugin.settings.schedule import exact_steps
 
-__all__ = ["EnvSettings", "OneBitConfig", "check_hparams", "check_settings", "flag",
-           "settings_from_env"]
+__all__ = ["EnvSettings", "FamilyOptions", "OneBitConfig", "check_hparams", "check_settings",
+           "flag", "member_config", "settings_from_env"]
 
 SCALE_RULES = ("rms", "mean")
 ERROR_DTYPES = ("float32", "bfloat16")
@@ -123,6 +124,30 @@ class OneBitConfig:
     def options(self) -> dict:
         """The settings as keyword arguments of an optimizer of the family."""
         return dataclasses.asdict(self)
+
+
+# The family's shared keyword arguments, declared once: OneBitConfig's fields but freeze_step,
+# which each member spells its own way (0/1 Adam's exact stage comes from its schedule). A member
+# takes them as ``**options: Unpack[FamilyOptions]``, which jsonargparse (LightningCLI) and
+# typing.get_type_hints read as the keyword arguments they are; member_config checks their names.
+FamilyOptions = TypedDict("FamilyOptions", {  # noqa: UP013 - the names come from the dataclass
+    f.name: get_type_hints(OneBitConfig)[f.name]
+    for f in dataclasses.fields(OneBitConfig) if f.name != "freeze_step"}, total=False)
+
+
+def member_config(member: str, freeze_step, options: dict,
+                  refused: dict[str, str] | None = None) -> OneBitConfig:
+    """``member``'s config from its exact stage and the family's ``options``: an option the
+    family does not have is the ``TypeError`` Python raises for a misspelt keyword argument,
+    with the nearest name; one in ``refused`` (``{name: why}``) is a ``TypeError`` saying why."""
+    for name in options:
+        if refused and name in refused:
+            raise TypeError(f"{member}() takes no {name!r}: {refused[name]}")
+        if name not in FamilyOptions.__annotations__:
+            near = difflib.get_close_matches(name, FamilyOptions.__annotations__, n=1)
+            meant = f" (did you mean {near[0]!r}?)" if near else ""
+            raise TypeError(f"{member}() got an unexpected keyword argument {name!r}{meant}")
+    return OneBitConfig(freeze_step=freeze_step, **options)
 
 
 def check_hparams(lr, betas, eps, weight_decay) -> None:
