@@ -2,7 +2,8 @@
 
 * ``sign_compress``: the Triton kernels, for CUDA tensors (set ``TRITON_INTERPRET=1`` before
   they are first used to run them on the CPU, as the tests do);
-* ``cpu``: the fused CPU passes, a C library built on first use;
+* ``int8_quantize``: the Triton kernels of the int8 allreduce (``warmup_bits=8``);
+* ``cpu``: the fused CPU passes of both, a C library built on first use;
 * :func:`block_tile`, the tile both use for a block's sum.
 
 Nothing here imports ``onebit_plugin``: the core reaches these through
@@ -20,7 +21,10 @@ def block_tile(block: int) -> int:
     return 8 * max(2, 1 << (rows - 1).bit_length())
 
 
-_TRITON_LAUNCHERS = ("decompress", "server_compress", "worker_compress")
+# Each launcher's module.
+_TRITON_LAUNCHERS = {"decompress": "sign_compress", "server_compress": "sign_compress",
+                     "worker_compress": "sign_compress", "quantize": "int8_quantize",
+                     "average_quantize": "int8_quantize", "dequantize": "int8_quantize"}
 __all__ += list(_TRITON_LAUNCHERS)
 
 
@@ -33,6 +37,6 @@ def __getattr__(name):
     except ImportError as exc:  # CUDA builds of torch on Linux bring triton; CPU builds do not
         raise ImportError("onebit_plugin's CUDA path runs Triton kernels: pip install triton "
                           "(or onebit-plugin[cuda])") from exc
-    from . import sign_compress
+    import importlib
 
-    return getattr(sign_compress, name)
+    return getattr(importlib.import_module(f".{_TRITON_LAUNCHERS[name]}", __name__), name)

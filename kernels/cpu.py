@@ -1,5 +1,6 @@
 """The fused CPU passes (``cpu_compress.c``: the compressed allreduce's three passes;
-``cpu_update.c``: the compression stage's parameter update): built once with the system's C
+``cpu_update.c``: the compression stage's parameter update; ``cpu_quantize.c``: the int8
+allreduce's three passes, ``warmup_bits=8``): built once with the system's C
 compiler into one library, cached, and called through ctypes (which releases the GIL, so the
 overlap thread does not hold up backward's Python).
 
@@ -29,12 +30,13 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["decode_range", "decompress", "frozen_update_many", "library", "server_compress",
-           "worker_compress"]
+__all__ = ["average_quantize", "decode_range", "decompress", "dequantize", "frozen_update_many",
+           "library", "quantize", "server_compress", "worker_compress"]
 
 log = logging.getLogger("onebit_plugin")
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_compress.c", "cpu_update.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_compress.c", "cpu_update.c",
+                                                               "cpu_quantize.c"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-fast-math",
          "-fno-trapping-math", "-shared",
          "-fPIC", "-std=c11"]
@@ -150,6 +152,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.onebit_frozen_update_many.restype = i32
     lib.onebit_decode_range.argtypes = [p, p, p, p, i64, i64, i64]
     lib.onebit_decode_range.restype = None
+    lib.onebit_quantize.argtypes = [p, p, p, i64, i64, i32]
+    lib.onebit_quantize.restype = None
+    lib.onebit_average_quantize.argtypes = [p, p, i64, i64, i64, p, p, i32]
+    lib.onebit_average_quantize.restype = i32
+    lib.onebit_dequantize.argtypes = [p, p, p, i64, i64, i32]
+    lib.onebit_dequantize.restype = None
     return lib
 
 
@@ -238,6 +246,28 @@ def decode_range(encoded, out) -> None:
     library().onebit_decode_range(_ptr(encoded.packed), _ptr(encoded.scales),
                                   _ptr(encoded.keep), _ptr(out), encoded.offset, out.numel(),
                                   encoded.block)
+
+
+def quantize(x, block: int, q, scales) -> None:
+    """``x`` (fp32) to int8 ``q`` and one fp32 scale per ``block`` values
+    (``onebit_plugin.wire.quantize``)."""
+    library().onebit_quantize(_ptr(x), _ptr(q), _ptr(scales), scales.numel(), block,
+                              _threads(x.numel()))
+
+
+def average_quantize(recv_q, recv_scales, world: int, block: int, q, scales) -> None:
+    """The int8 allreduce's owner pass (``onebit_plugin.wire.quantize.average_quantize``)."""
+    rc = library().onebit_average_quantize(_ptr(recv_q), _ptr(recv_scales), world,
+                                           scales.numel(), block, _ptr(q), _ptr(scales),
+                                           _threads(recv_q.numel()))
+    if rc != 0:
+        raise MemoryError("onebit: the CPU int8 average could not allocate its scratch")
+
+
+def dequantize(q, scales, block: int, out) -> None:
+    """``out`` (fp32) = ``q`` times its block's scale."""
+    library().onebit_dequantize(_ptr(q), _ptr(scales), _ptr(out), scales.numel(), block,
+                                _threads(out.numel()))
 
 
 def frozen_update_many(rows, *, decay: float) -> None:

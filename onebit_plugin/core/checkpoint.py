@@ -44,7 +44,8 @@ def onebit_state(opt) -> dict:
             "unit_cap_bytes": opt.unit_cap_bytes, **opt.counts.state_dict(),
             "clipping": opt.handoff.sketch is not None, "units": units,
             "local_steps": opt.policy.rank_state(opt), "syncs": opt.syncs,
-            "variance_clock": "steps", "sent": opt.policy.exchange.sent}
+            "variance_clock": "steps", "sent": opt.policy.exchange.sent,
+            "warmup_bits": opt.config.warmup_bits}
 
 
 def load_state(opt, state_dict: dict, torch_load) -> None:
@@ -97,6 +98,12 @@ def load_onebit_state(opt, onebit: dict) -> None:
             onebit["freeze_step"], opt.freeze_step,
             f"it is ignored, the variance was frozen after step {onebit['switch_step']}"
             if onebit["switch_step"] is not None else "the new value applies")
+    saved_bits = onebit.get("warmup_bits", 32)  # absent before warmup_bits: fp32
+    if saved_bits != opt.config.warmup_bits:
+        # Nothing carries over between full-precision steps (no error feedback): allowed.
+        log.warning("onebit: the checkpoint's full-precision steps were sent at warmup_bits=%s, "
+                    "this optimizer's at %s: the steps from now on use %s", saved_bits,
+                    opt.config.warmup_bits, opt.config.warmup_bits)
     opt.global_step = int(onebit["global_step"])
     opt.switch_step = onebit["switch_step"]
     auto = onebit.get("auto_freeze")

@@ -1,9 +1,13 @@
-"""The exact stage's exchange: the gradients averaged across ranks in fp32, the same numbers as
-DDP's, by the DDP hook (DDP's own reduction of each bucket) or, for a member that averages by
-itself, here in ``step()``: every trainable gradient in fp32 allreduces of
-``WARMUP_CHUNK_BYTES`` all started before the first is waited on. 1-bit Adam's and 1-bit LAMB's
-warm-up and 0/1 Adam's Adam steps and variance refreshes exchange this way
+"""The exact stage's exchange: the gradients averaged across ranks, by the DDP hook (one bucket
+at a time) or, for a member that averages by itself, here in ``step()``. 1-bit Adam's and 1-bit
+LAMB's warm-up and 0/1 Adam's Adam steps and variance refreshes exchange this way
 (``exchanges.StepExchange``).
+
+At ``warmup_bits=32`` (the paper's algorithm) the average is fp32 and the same numbers as DDP's:
+the hook runs DDP's own reduction of each bucket, ``step()`` fp32 allreduces of
+``WARMUP_CHUNK_BYTES`` all started before the first is waited on. At 16 or 8 it is the two-phase
+allreduce of ``onebit_plugin.comm.quantized`` (bf16, or blockwise int8): every rank decodes the
+same bytes, so the ranks still hold the same gradients.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from onebit_plugin.comm.byte_counts import ring_bytes
-from onebit_plugin.comm.collectives import wait_collectives
+from onebit_plugin.comm.collectives import comm_executor, wait_collectives
+from onebit_plugin.comm.quantized import QuantizedAverage
 from onebit_plugin.core import rank_checks
 from onebit_plugin.core.exchanges import StepExchange
 from onebit_plugin.settings.step_kinds import EXACT
@@ -35,12 +40,21 @@ WARMUP_CHUNK_BYTES = 4 * 2**20
 WARMUP_CHUNK_BYTES_CUDA = 32 * 2**20
 
 
+# The int8 average's block: 4 bytes of scale per 2048 values (+0.2% on the wire);
+# benchmarks/quantized_warmup.py measures what larger and smaller ones cost the variance.
+QUANT_BLOCK = 2048
+
+
 def average_gradients(params: list[torch.Tensor], flat: torch.Tensor | None, group,
-                      timeout, world: int) -> tuple[torch.Tensor, int]:
+                      timeout, world: int, quantized: QuantizedAverage | None = None
+                      ) -> tuple[torch.Tensor, int]:
     """Replace each ``p.grad`` of ``params`` by its mean over the ranks (zeros where a rank has
     none), with a has-gradient flag per parameter so that all ranks agree on which params step.
-    ``flat``: the buffer of the last call, reused when it fits. Returns the buffer and the
+    ``flat``: the buffer of the last call, reused when it fits. ``quantized``: the values go
+    through it (``warmup_bits`` 16 or 8), the flags still in fp32. Returns the buffer and the
     bytes this rank sent."""
+    if quantized is not None:
+        return _average_quantized(params, flat, group, timeout, world, quantized)
     sizes = [p.numel() for p in params]
     total, head = sum(sizes), len(params)
     device = params[0].device
@@ -78,6 +92,33 @@ def average_gradients(params: list[torch.Tensor], flat: torch.Tensor | None, gro
     return flat, sent
 
 
+def _average_quantized(params, flat, group, timeout, world: int,
+                       quantized: QuantizedAverage) -> tuple[torch.Tensor, int]:
+    """:func:`average_gradients` through ``quantized``: the flags in a small fp32 allreduce
+    (exact: which parameters step must not be rounded), started first and waited on after the
+    values' two phases; the values' mean straight from the quantized average."""
+    sizes = [p.numel() for p in params]
+    total, head = sum(sizes), len(params)
+    device = params[0].device
+    if flat is None or flat.numel() != head + total:
+        flat = torch.empty(head + total, dtype=torch.float32, device=device)
+    flat[:head].copy_(torch.tensor([float(p.grad is not None) for p in params]))
+    flags = dist.all_reduce(flat[:head], group=group, async_op=True)
+    views = flat[head:].split(sizes)
+    for p, view in zip(params, views, strict=True):
+        view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
+    sent = quantized.average_(flat[head:], group, world, timeout)
+    wait_collectives([flags], timeout, "the warm-up's gradient flags allreduce", group)
+    sent += ring_bytes(4 * head, world)
+    present = flat[:head].tolist() if any(p.grad is None for p in params) else [1.0] * head
+    for p, view, there in zip(params, views, present, strict=True):
+        if p.grad is not None:
+            p.grad.copy_(view.view_as(p))
+        elif there:  # another rank had one
+            p.grad = view.view_as(p).to(p.dtype, copy=True)
+    return flat, sent
+
+
 def _chunks(sizes: list[int], head: int, cap: int) -> list[tuple[int, int, int, int]]:
     """``(start, end, lo, hi)`` per chunk of a flat buffer holding ``head`` values, then tensors
     of ``sizes`` values back to back: values ``start:end``, tensors ``lo:hi``. Cut between
@@ -94,19 +135,33 @@ def _chunks(sizes: list[int], head: int, cap: int) -> list[tuple[int, int, int, 
 
 
 class GradientAverage(StepExchange):
-    """The gradients averaged in fp32, then ``then(opt)``: the step's update on them (the
-    warm-up's, ``warmup_stage.warmup_step``, or a variance refresh's). Holds the flat buffer
-    of the optimizer's own average (4 bytes per parameter, reused every step)."""
+    """The gradients averaged in ``warmup_bits`` bits per value, then ``then(opt)``: the step's
+    update on them (the warm-up's, ``warmup_stage.warmup_step``, or a variance refresh's).
+    Holds the flat buffer of the optimizer's own average (4 bytes per parameter, reused every
+    step) and, below 32 bits, the quantized average's buffers."""
 
     kind = EXACT
 
     def __init__(self, then: Callable) -> None:
         self.then = then
         self.flat: torch.Tensor | None = None
+        self.quantized: QuantizedAverage | None = None
+
+    def quantizer(self, opt) -> QuantizedAverage | None:
+        """The quantized average of ``opt.config.warmup_bits`` (None at 32)."""
+        bits = opt.config.warmup_bits
+        if bits == 32:
+            return None
+        if self.quantized is None or self.quantized.bits != bits:
+            self.quantized = QuantizedAverage(bits, QUANT_BLOCK)
+        return self.quantized
 
     def in_backward(self, opt, hook, bucket) -> torch.futures.Future:
         opt.handoff.note_reduced(bucket.parameters())  # step() refuses gradients no bucket averaged
         buffer = bucket.buffer()
+        quantized = self.quantizer(opt)
+        if quantized is not None:
+            return _quantized_bucket(opt, hook, buffer, quantized)
         # DDP's default reduction, bits included: multiply by 1/W, then sum. Its reducer
         # multiplies each gradient by double(1) / W as it copies it into the bucket; dividing
         # by W instead rounds differently for a W that is not a power of two (at 3 ranks about
@@ -124,7 +179,8 @@ class GradientAverage(StepExchange):
             return
         params = opt.trainable()
         self.flat, sent = average_gradients(params, self.flat, opt.comm_group,
-                                            opt.comm_timeout, opt.world_size)
+                                            opt.comm_timeout, opt.world_size,
+                                            self.quantizer(opt))
         opt.counts.add_exact(sent, ring_bytes(4 * sum(p.numel() for p in params),
                                               opt.world_size))
         handoff.grads_averaged = True
@@ -146,7 +202,40 @@ class GradientAverage(StepExchange):
         """The flat buffer, no longer this exchange's (the momentum units' fold buffers are
         cut from it at the freeze rather than from new memory)."""
         flat, self.flat = self.flat, None
+        self.quantized = None  # its buffers too (made again if a refresh needs them)
         return flat
 
     def buffers(self) -> list[tuple[str, torch.Tensor]]:
-        return [("warm-up gradient buffer", self.flat)] if self.flat is not None else []
+        out = [("warm-up gradient buffer", self.flat)] if self.flat is not None else []
+        return out + (self.quantized.buffers() if self.quantized is not None else [])
+
+
+def _quantized_bucket(opt, hook, buffer: torch.Tensor,
+                      quantized: QuantizedAverage) -> torch.futures.Future:
+    """The DDP hook's bucket averaged through ``quantized``: on the CPU on the group's
+    background thread (backward goes on meanwhile, as beside DDP's own allreduce), on a GPU
+    here, on the current stream (the collectives are asynchronous there already)."""
+    world, group, timeout = hook.world_size, hook.comm_group, opt.comm_timeout
+    dense = ring_bytes(4 * buffer.numel(), world)
+
+    def run() -> torch.Tensor:
+        flat = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
+        sent = quantized.average_(flat, group, world, timeout)
+        if flat is not buffer:
+            buffer.copy_(flat)
+        opt.counts.add_exact(sent, dense)
+        return buffer
+
+    future = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+    if buffer.is_cuda:
+        future.set_result(run())
+        return future
+
+    def job() -> None:
+        try:
+            future.set_result(run())
+        except BaseException as exc:  # noqa: BLE001 - handed to DDP, which raises it
+            future.set_exception(exc)
+
+    comm_executor(group).submit(job)
+    return future

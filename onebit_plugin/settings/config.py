@@ -25,6 +25,10 @@ __all__ = ["EnvSettings", "FamilyOptions", "OneBitConfig", "check_hparams", "che
 
 SCALE_RULES = ("rms", "mean")
 ERROR_DTYPES = ("float32", "bfloat16")
+# Bits per value of the full-precision step kinds (the warm-up, 0/1 Adam's Adam steps and
+# variance refreshes): 32 the paper's fp32 average, 16 bf16, 8 blockwise int8
+# (onebit_plugin.comm.quantized).
+WARMUP_BITS = (32, 16, 8)
 # A Triton program holds one block: compile time grows with it (2**17 values took 129 s to
 # compile for sm_90, 2**21 did not compile), and blocks past a few thousand values buy nothing.
 MAX_BLOCK = 16384
@@ -48,6 +52,8 @@ _RULES = {
     "scale": (lambda v: v in SCALE_RULES, f"one of {SCALE_RULES}", f"one of {SCALE_RULES}"),
     "error_dtype": (lambda v: v in ERROR_DTYPES, f"one of {ERROR_DTYPES}",
                     f"one of {ERROR_DTYPES}"),
+    "warmup_bits": (lambda v: _is_int(v, 8) and v in WARMUP_BITS,
+                    f"one of {WARMUP_BITS}", f"one of {WARMUP_BITS}"),
     "comm_timeout": (lambda v: v is None or v > 0, "> 0 seconds", "> 0 seconds"),
     "max_skipped_steps": (lambda v: _is_int(v, 1), "an int >= 1", ">= 1"),
     "bucket_cap_mb": (lambda v: v is None or v > 0, "> 0", "> 0"),
@@ -90,6 +96,7 @@ class OneBitConfig:
     max_skipped_steps: int = 20
     master_weights: bool = False
     error_dtype: str = "float32"
+    warmup_bits: int = 32
 
     def __post_init__(self) -> None:
         if self.freeze_step is None:
@@ -115,7 +122,8 @@ class OneBitConfig:
                 "compress_momentum": int(self.compress_momentum),
                 "bound_update": int(self.bound_update),
                 "master_weights": int(self.master_weights),
-                "error_dtype": ERROR_DTYPES.index(self.error_dtype)}
+                "error_dtype": ERROR_DTYPES.index(self.error_dtype),
+                "warmup_bits": self.warmup_bits}
 
     def replace(self, **changes) -> OneBitConfig:
         """A copy with ``changes``, checked again."""
@@ -181,13 +189,14 @@ def flag(name: str, default: str) -> bool:
 VARIABLES = ("ONEBIT_ADAM", "ONEBIT_OPTIMIZER", "ONEBIT_FREEZE_STEP", "ONEBIT_VAR_FREEZE_STEP",
              "ONEBIT_LOCAL_STEP_SCALER", "ONEBIT_TOTAL_STEPS", "ONEBIT_MAX_BLOCK",
              "ONEBIT_SCALE", "ONEBIT_OVERLAP", "ONEBIT_TIMEOUT", "ONEBIT_BOUND_UPDATE",
-             "ONEBIT_MASTER_WEIGHTS", "ONEBIT_ERROR_DTYPE", "ONEBIT_CPU_KERNEL")
+             "ONEBIT_MASTER_WEIGHTS", "ONEBIT_ERROR_DTYPE", "ONEBIT_WARMUP_BITS",
+             "ONEBIT_CPU_KERNEL")
 # The variable of each config field it sets: a ValueError about the field names the variable.
 _FIELD_VARIABLES = {"freeze_step": "ONEBIT_FREEZE_STEP", "total_steps": "ONEBIT_TOTAL_STEPS",
                     "max_block": "ONEBIT_MAX_BLOCK", "scale": "ONEBIT_SCALE",
                     "comm_timeout": "ONEBIT_TIMEOUT", "bound_update": "ONEBIT_BOUND_UPDATE",
                     "master_weights": "ONEBIT_MASTER_WEIGHTS",
-                    "error_dtype": "ONEBIT_ERROR_DTYPE"}
+                    "error_dtype": "ONEBIT_ERROR_DTYPE", "warmup_bits": "ONEBIT_WARMUP_BITS"}
 
 
 def _env_int(name: str) -> int | None:
@@ -239,6 +248,7 @@ class EnvSettings:
     bound_update: bool = True
     master_weights: bool = False
     error_dtype: str = "float32"
+    warmup_bits: int = 32
     optimizer: str = "onebit_adam"
     var_freeze_step: int | str = "auto"
     local_step_scaler: int | str = "auto"
@@ -261,7 +271,8 @@ class EnvSettings:
         return OneBitConfig(freeze_step=self.freeze_step, total_steps=self.total_steps,
                             max_block=self.max_block, scale=self.scale,
                             comm_timeout=self.timeout, bound_update=self.bound_update,
-                            master_weights=self.master_weights, error_dtype=self.error_dtype)
+                            master_weights=self.master_weights, error_dtype=self.error_dtype,
+                            warmup_bits=self.warmup_bits)
 
     @classmethod
     def from_env(cls) -> EnvSettings | None:
@@ -313,6 +324,7 @@ def settings_from_env() -> EnvSettings | None:
         bound_update=flag("ONEBIT_BOUND_UPDATE", "1"),
         master_weights=flag("ONEBIT_MASTER_WEIGHTS", "0"),
         error_dtype=os.environ.get("ONEBIT_ERROR_DTYPE", "").strip() or "float32",
+        warmup_bits=32 if (bits := _env_int("ONEBIT_WARMUP_BITS")) is None else bits,
     )
     overlap = flag("ONEBIT_OVERLAP", "1")
     flag("ONEBIT_CPU_KERNEL", "1")  # read when the CPU kernel is first used; checked here

@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 
 __all__ = ["MEMBERS", "Member", "member_named", "member_of_deepspeed_type"]
 
-# DeepSpeed's hyperparameters of every member.
-_COMMON = ("lr", "betas", "eps", "weight_decay")
+# DeepSpeed's hyperparameters of every member, and this package's one key beside them:
+# "warmup_bits", the bits per value of the full-precision steps (DeepSpeed sent them in the
+# engine's fp32 or fp16 allreduce; a config without it means 32).
+_COMMON = ("lr", "betas", "eps", "weight_decay", "warmup_bits")
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,8 @@ class Member:
         path: ``"module:Class"``, where its class is.
         deepspeed_type: DeepSpeed's ``"type"`` of it, lowercased (as DeepSpeed's engine
             compares it).
-        deepspeed_params: the ``"params"`` of a DeepSpeed config of that type it takes.
+        deepspeed_params: the ``"params"`` of a DeepSpeed config of that type it takes (and
+            ``warmup_bits``, this package's).
         deepspeed_defaults: what a DeepSpeed config without a key meant (its constructors'
             defaults, and its weight decay's kind).
     """

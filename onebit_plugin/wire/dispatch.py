@@ -42,8 +42,9 @@ def cpu_kernel() -> ModuleType | None:
 
 
 def triton_kernel(name: str):
-    """The launcher ``name`` (``worker_compress``, ``server_compress``, ``decompress``) of the
-    Triton kernels; set ``TRITON_INTERPRET=1`` before the first call to run them on the CPU."""
+    """The launcher ``name`` (``worker_compress``, ``server_compress``, ``decompress``;
+    ``quantize``, ``average_quantize``, ``dequantize``) of the Triton kernels; set
+    ``TRITON_INTERPRET=1`` before the first call to run them on the CPU."""
     from onebit_plugin import kernels
 
     return getattr(kernels, name)
