@@ -24,8 +24,10 @@ def _quantize_store(x, inside, q_ptr, scale_ptr):
     finite = (x == x) & (tl.abs(x) <= 3.4028234663852886e38)
     bad = tl.max(tl.where(inside & ~finite, 1, 0), axis=0) > 0
     absmax = tl.max(tl.where(inside & finite, tl.abs(x), 0.0), axis=0)
-    inv = tl.div_rn(tl.full((), 127.0, tl.float32), absmax)
-    inv = tl.where(inv <= 3.4028234663852886e38, inv, 0.0)  # 127 / 0 (or a tiny max): 0
+    # 127 / 0 (or / a max so small that it overflows) is 0, as the reference's: the max of an
+    # all-zero block is replaced by 1 before dividing, so that no lane divides by zero.
+    inv = tl.div_rn(tl.full((), 127.0, tl.float32), tl.where(absmax > 0, absmax, 1.0))
+    inv = tl.where((absmax > 0) & (inv <= 3.4028234663852886e38), inv, 0.0)
     y = tl.where(bad, 0.0, x * inv)
     r = (y + 12582912.0) - 12582912.0
     r = tl.minimum(tl.maximum(r, -127.0), 127.0)

@@ -84,6 +84,9 @@ class QuantizedAverage:
         rows = self._rows_for(flat.numel(), world, flat.device)
         lay, n = rows.layout, flat.numel()
         rows.values[:n].copy_(flat)
+        # The padding again zero: the last decode wrote NaN there if its block was not finite,
+        # which would make every later call's last block non-finite (every step skipped).
+        rows.values[n:].zero_()
         if self.bits == 8:
             self._encode_int8(rows)
         else:
