@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 
 NAMESPACES = ("pytorch_lightning", "lightning.pytorch")
 
@@ -69,11 +70,14 @@ def register_when_imported() -> None:
     from onebit_plugin.integrations.bootstrap.onebit_post_import import when_imported
 
     def register(namespace: str):
+        module = FABRIC_MODULES.get(namespace) or f"for_{namespace.replace('.', '_')}"
+
         def now(_module) -> None:
-            if namespace in FABRIC_MODULES:
-                fabric_strategy_for(namespace)
-            else:
-                classes_for(namespace)
+            # Importing one of our modules may be what loads the framework: that module is
+            # then half made, and its own body registers its classes when it completes
+            # (importing it again here would read it half made, and fail).
+            if f"onebit_plugin.integrations.{module}" not in sys.modules:
+                importlib.import_module(f"onebit_plugin.integrations.{module}")
         return now
 
     for namespace in (*NAMESPACES, *FABRIC_MODULES):

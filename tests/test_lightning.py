@@ -344,3 +344,28 @@ def test_zero_one_adam_resumed_between_syncs_continues_every_rank_bitwise(zero_o
     assert [r["started_at"] for r in resumed] == [25, 25]
     for a, b in zip(uninterrupted[0]["params"], resumed[0]["params"], strict=True):
         assert torch.equal(a, b)
+
+
+# Each import as a new user's first line, in a process of its own (nothing imported before):
+# importing one of these modules is what loads the framework, whose import hook then registers
+# the strategies while that module is still half made (2026-12-04: an ImportError on a
+# circular import for the first five, before the hook left a module being imported alone).
+FIRST_IMPORTS = [
+    "from onebit_plugin.integrations.lightning import OneBitAdamStrategy, OneBitAdamCallback",
+    "from onebit_plugin.integrations.for_pytorch_lightning import OneBitAdamStrategy",
+    "from onebit_plugin.integrations.for_lightning_pytorch import OneBitAdamStrategy",
+    "from onebit_plugin.integrations.for_lightning_fabric import OneBitAdamFabricStrategy",
+    "from onebit_plugin.integrations.for_lightning_fabric_package import "
+    "OneBitAdamFabricStrategy",
+    "import onebit_plugin, pytorch_lightning as pl; pl.Trainer(strategy='onebit_adam', "
+    "accelerator='cpu', devices=1, logger=False, enable_checkpointing=False)",
+]
+
+
+@pytest.mark.parametrize("line", FIRST_IMPORTS)
+def test_each_entry_module_imports_first_in_a_new_process(line):
+    with owned_processes() as start:
+        proc = start([sys.executable, "-c", line], cwd="/", stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True)
+        _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
