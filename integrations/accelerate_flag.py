@@ -55,14 +55,20 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from onebit_plugin import MEMBERS, OneBitLamb, OneBitOptimizer, ZeroOneAdam
-from onebit_plugin.entry.ddp_hook import OneBitHookState, register_onebit_hook
+from onebit_plugin import (
+    MEMBERS,
+    EnvSettings,
+    OneBitHookState,
+    OneBitLamb,
+    OneBitOptimizer,
+    ZeroOneAdam,
+    register_onebit_hook,
+)
 from onebit_plugin.integrations.ddp_strategies import (
     say_at_exit_if_uncompressed,
     settle_before_teardown,
 )
 from onebit_plugin.integrations.rank_states import load_rank_states, save_rank_states
-from onebit_plugin.settings.config import EnvSettings
 
 __all__ = ["Accelerator", "OneBitSettings", "to_member"]
 

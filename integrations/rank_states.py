@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 
-from onebit_plugin import uses_nccl
-from onebit_plugin.members.onebit_adam import OneBitAdam
+from onebit_plugin import OneBitOptimizer, uses_nccl
 
 log = logging.getLogger("onebit_plugin")
 
@@ -43,7 +42,7 @@ def _ranks_in(folder: Path) -> dict[int, Path]:
     return found
 
 
-def save_rank_states(folder, rank: int, world: int, optimizers: list[OneBitAdam]) -> Path:
+def save_rank_states(folder, rank: int, world: int, optimizers: list[OneBitOptimizer]) -> Path:
     path = rank_file(folder, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save([o.onebit_state_dict() for o in optimizers], path.with_suffix(".tmp"))
@@ -58,7 +57,7 @@ def save_rank_states(folder, rank: int, world: int, optimizers: list[OneBitAdam]
     return path
 
 
-def load_rank_states(folder, rank: int, world: int, optimizers: list[OneBitAdam]) -> None:
+def load_rank_states(folder, rank: int, world: int, optimizers: list[OneBitOptimizer]) -> None:
     """Load this rank's file into ``optimizers``, whose regular state (step, switch step) the
     framework has already loaded from the same checkpoint."""
     folder = Path(folder)
@@ -103,7 +102,7 @@ def load_rank_states(folder, rank: int, world: int, optimizers: list[OneBitAdam]
         _say_other_world(saved_world, world)
 
 
-def _read(path: Path, optimizers: list[OneBitAdam]) -> list[dict]:
+def _read(path: Path, optimizers: list[OneBitOptimizer]) -> list[dict]:
     """``path``'s states, one per optimizer, checked to come from the checkpoint whose regular
     state ``optimizers`` hold."""
     try:

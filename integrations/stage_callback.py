@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from onebit_plugin.core.base import OneBitOptimizer
-from onebit_plugin.entry.lockstep import check_lockstep
+from onebit_plugin import OneBitOptimizer, check_lockstep
 
 
 def make_callback_class(pl, module: str):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from onebit_plugin.core.base import OneBitOptimizer
+from onebit_plugin import OneBitOptimizer
 from onebit_plugin.integrations.rank_states import load_rank_states, save_rank_states
 
 log = logging.getLogger("onebit_plugin")

@@ -23,7 +23,7 @@ from onebit_plugin.maths.update import adam_update_, frozen_denominator, frozen_
 from onebit_plugin.members.onebit_adam import OneBitAdam
 from onebit_plugin.members.onebit_lamb import LambPolicy, OneBitLamb
 from onebit_plugin.members.zero_one_adam import ZeroOneAdam, ZeroOnePolicy
-from onebit_plugin.settings.config import OneBitConfig, settings_from_env
+from onebit_plugin.settings.config import EnvSettings, OneBitConfig, settings_from_env
 from onebit_plugin.settings.registry import MEMBERS, Member
 from onebit_plugin.wire.compression import ChunkLayout
 from onebit_plugin.wire.deferred import fold_gradient_
@@ -33,6 +33,7 @@ __all__ = [
     "ChunkLayout",
     "CommunicationError",
     "CompressedAllreduce",
+    "EnvSettings",
     "ExactAllreduce",
     "ExactMomentum",
     "Exchange",

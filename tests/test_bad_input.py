@@ -31,6 +31,25 @@ def test_a_misspelt_family_option_names_the_option_and_the_nearest(member):
         member(nn.Linear(2, 2).parameters(), max_block=12, **schedule)
 
 
+@pytest.mark.parametrize("member,wrong,meant", [
+    (OneBitAdam, "freze_step", "freeze_step"),
+    (OneBitAdam, "decoupled_weigth_decay", "decoupled_weight_decay"),
+    (ZeroOneAdam, "local_step_scalar", "local_step_scaler"),
+    (ZeroOneAdam, "var_freez_step", "var_freeze_step"),
+    (OneBitLamb, "max_coef", "max_coeff")])
+def test_a_misspelt_member_argument_names_the_members_own_nearest(member, wrong, meant):
+    schedule = {"freeze_step": 4} if member is not ZeroOneAdam and wrong != "freze_step" else {}
+    with pytest.raises(TypeError, match=rf"^{member.__name__}\(\) got an unexpected keyword "
+                                        rf"argument '{wrong}' \(did you mean '{meant}'\?\)"):
+        member(nn.Linear(2, 2).parameters(), **{wrong: 1}, **schedule)
+
+
+def test_one_bit_lamb_refuses_adams_weight_decay_switch_saying_why():
+    with pytest.raises(TypeError, match=r"OneBitLamb\(\) takes no 'decoupled_weight_decay': "
+                                        r".*LAMB's"):
+        OneBitLamb(nn.Linear(2, 2).parameters(), freeze_step=4, decoupled_weight_decay=True)
+
+
 def test_zero_one_adam_refuses_one_bit_adams_options_saying_why():
     params = nn.Linear(2, 2).parameters()
     with pytest.raises(TypeError, match=r"ZeroOneAdam\(\) takes no 'freeze_step': .*"

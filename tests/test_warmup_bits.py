@@ -312,20 +312,24 @@ def test_warmup_bits_is_checked_and_read_from_the_environment_and_deepspeed(monk
         assert opt.config.warmup_bits == 16, kind
 
 
-def _disagree(rank, world):
-    opt = OneBitAdam([torch.nn.Parameter(torch.ones(4))], lr=0.1, freeze_step=2,
-                     warmup_bits=8 if rank == 0 else 32)
-    opt.param_groups[0]["params"][0].grad = torch.ones(4)
+def _disagree(rank, world, member):
+    param = torch.nn.Parameter(torch.ones(4))
+    bits = 8 if rank == 0 else 32
+    opt = (OneBitAdam([param], lr=0.1, freeze_step=2, warmup_bits=bits) if member == "adam"
+           else ZeroOneAdam([param], lr=0.1, total_steps=10, warmup_bits=bits))
+    param.grad = torch.ones(4)
     try:
         opt.step()
-    except Exception as exc:  # noqa: BLE001 - returned to the test
+    except ValueError as exc:
         return str(exc)
     return None
 
 
-def test_ranks_that_disagree_on_warmup_bits_are_refused():
-    for message in run_ranks(_disagree, 2):
-        assert message is not None and "warmup_bits" in message
+@pytest.mark.parametrize("member", ["adam", "zero_one"])
+def test_ranks_that_disagree_on_warmup_bits_are_refused_naming_the_member(member):
+    name = "OneBitAdam" if member == "adam" else "ZeroOneAdam"
+    for message in run_ranks(_disagree, 2, member):
+        assert message.startswith(f"{name}'s warmup_bits differs between ranks: [8, 32]")
 
 
 _COMPILE = r"""

@@ -96,7 +96,7 @@ def check_launched() -> None:
 
 def check_settings_agree(config: dict, param_groups, params: list, grad_print: torch.Tensor,
                          world: int, group, timeout, step: int,
-                         sync_point: list | None = None) -> bool:
+                         sync_point: list | None = None, member: str = "OneBitAdam") -> bool:
     """First step (and first after a resume): every rank must run the same ``config`` (name:
     int), or the ranks would switch stages at different steps or lay the units out
     differently, and hold the same parameters. ``grad_print``: :func:`grad_fingerprint`.
@@ -118,7 +118,7 @@ def check_settings_agree(config: dict, param_groups, params: list, grad_print: t
         values = [int(g[i]) for g in gathered]
         if len(set(values)) > 1:
             raise ValueError(
-                f"OneBitAdam's {name} differs between ranks: {values} (rank "
+                f"{member}'s {name} differs between ranks: {values} (rank "
                 f"0..{world - 1}); every rank must use the same settings and parameters"
             )
     if len({int(g[-1]) for g in gathered}) > 1 and sync_point is not None:
@@ -232,7 +232,8 @@ def check_ranks_agree(opt, params: list[torch.Tensor]) -> None:
     grads = grad_fingerprint(params, opt.hooked_params is not None or opt.handoff.grads_averaged)
     sync_point = opt.policy.sync_point(opt)
     same = check_settings_agree(settings, opt.param_groups, params, grads, opt.world_size,
-                                opt.comm_group, opt.comm_timeout, opt.global_step, sync_point)
+                                opt.comm_group, opt.comm_timeout, opt.global_step, sync_point,
+                                type(opt).__name__)
     if same and not opt.averaged_elsewhere:
         opt.averaged_elsewhere = True
         say_averaged_elsewhere(opt.world_size)

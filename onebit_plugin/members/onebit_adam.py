@@ -101,7 +101,7 @@ class OneBitAdam(OneBitOptimizer):
         **options: Unpack[FamilyOptions],
     ):
         check_hparams(lr, betas, eps, weight_decay)
-        config = member_config("OneBitAdam", freeze_step, options)
+        config = member_config(type(self), freeze_step, options)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         decoupled_weight_decay=decoupled_weight_decay)
         exchange = OneBitMomentum() if config.compress_momentum else ExactMomentum()

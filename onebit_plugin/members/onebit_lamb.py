@@ -152,7 +152,9 @@ class OneBitLamb(OneBitOptimizer):
     ):
         check_hparams(lr, betas, eps, weight_decay)
         _check_lamb(max_coeff, min_coeff, coeff_beta, factor_max, factor_min, factor_threshold)
-        config = member_config("OneBitLamb", freeze_step, options)
+        config = member_config(type(self), freeze_step, options, refused={
+            "decoupled_weight_decay": "1-bit LAMB's weight decay is always LAMB's, added to "
+                                      "the update inside the trust ratio"})
         # decoupled_weight_decay: the fold of a local gradient into the momentum leaves the
         # decay out; LAMB adds it to the update itself.
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,

@@ -226,7 +226,7 @@ class ZeroOneAdam(OneBitOptimizer):
                         local_step_clipper)
         # The base's exact stage: Adam until the refresh interval first doubles.
         config = member_config(
-            "ZeroOneAdam", exact_steps(var_freeze_step, var_update_scaler), options,
+            type(self), exact_steps(var_freeze_step, var_update_scaler), options,
             refused={"freeze_step": "that is 1-bit Adam's warm-up; 0/1 Adam's variance is "
                                     "refreshed to var_freeze_step instead (default 'auto')",
                      "compress_momentum": "0/1 Adam's syncs and phase-A steps are its 1-bit "

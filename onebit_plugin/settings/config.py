@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import os
 from dataclasses import dataclass
 from typing import TypedDict, get_type_hints
@@ -143,18 +144,22 @@ FamilyOptions = TypedDict("FamilyOptions", {  # noqa: UP013 - the names come fro
     for f in dataclasses.fields(OneBitConfig) if f.name != "freeze_step"}, total=False)
 
 
-def member_config(member: str, freeze_step, options: dict,
+def member_config(member: type, freeze_step, options: dict,
                   refused: dict[str, str] | None = None) -> OneBitConfig:
-    """``member``'s config from its exact stage and the family's ``options``: an option the
-    family does not have is the ``TypeError`` Python raises for a misspelt keyword argument,
-    with the nearest name; one in ``refused`` (``{name: why}``) is a ``TypeError`` saying why."""
-    for name in options:
-        if refused and name in refused:
-            raise TypeError(f"{member}() takes no {name!r}: {refused[name]}")
-        if name not in FamilyOptions.__annotations__:
-            near = difflib.get_close_matches(name, FamilyOptions.__annotations__, n=1)
+    """The config of ``member`` (the optimizer's class) from its exact stage and the family's
+    ``options``: an option neither the family nor ``member``'s own constructor has is the
+    ``TypeError`` Python raises for a misspelt keyword argument, with the nearest name of
+    either; one in ``refused`` (``{name: why}``) is a ``TypeError`` saying why."""
+    name = member.__name__
+    own = [p for p in inspect.signature(member.__init__).parameters
+           if p not in ("self", "params", "options")]
+    for key in options:
+        if refused and key in refused:
+            raise TypeError(f"{name}() takes no {key!r}: {refused[key]}")
+        if key not in FamilyOptions.__annotations__:
+            near = difflib.get_close_matches(key, [*own, *FamilyOptions.__annotations__], n=1)
             meant = f" (did you mean {near[0]!r}?)" if near else ""
-            raise TypeError(f"{member}() got an unexpected keyword argument {name!r}{meant}")
+            raise TypeError(f"{name}() got an unexpected keyword argument {key!r}{meant}")
     return OneBitConfig(freeze_step=freeze_step, **options)
 
 
