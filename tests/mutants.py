@@ -512,8 +512,50 @@ MUTANTS = [
        "integrations/stage_callback.py", "sync_before_validation: bool = True):",
        "sync_before_validation: bool = False):",
        "tests/test_zero_one.py::test_a_validation_between_syncs_is_said_once_or_synced_first"),
+    # issue 45: warmup_bits
+    _m("int8-padding-not-rezeroed", "issue 45: a non-finite step skipped everywhere",
+       "onebit_plugin/comm/quantized.py", "        rows.values[n:].zero_()\n", "",
+       "tests/test_warmup_bits.py::"
+       "test_a_nonfinite_gradient_on_one_rank_skips_the_8_bit_step_everywhere"),
+    _m("int8-c-pass-truncates", "issue 45: the passes' bits on every backend",
+       "kernels/cpu_quantize.c", "        float r = (y + ROUNDER) - ROUNDER;\n",
+       "        float r = truncf(y);\n",
+       "tests/test_warmup_bits.py::test_the_three_passes_give_the_same_bits_on_every_backend",
+       "tests/test_warmup_bits.py::"
+       "test_quantization_is_round_to_nearest_within_a_254th_of_the_block_maximum"),
+    _m("int8-triton-divides-approximately", "issue 45: the passes' bits on every backend",
+       "kernels/int8_quantize.py", "    total = tl.div_rn(total, world.to(tl.float32))\n",
+       "    total = total / world.to(tl.float32)\n",
+       "tests/test_warmup_bits.py::"
+       "test_the_int8_kernels_compile_for_a_gpu_with_correctly_rounded_divisions"),
+    _m("warmup-bits-ignored-without-ddp", "issue 45: fewer bytes on every path", AVERAGE,
+       "                                            self.quantizer(opt))\n",
+       "                                            None)\n",
+       "tests/test_warmup_bits.py::"
+       "test_8_bit_warmup_keeps_the_ranks_identical_and_sends_a_quarter"),
+    _m("a-rank-decodes-other-values", "issue 45: ranks identical",
+       "onebit_plugin/comm/quantized.py",
+       "        if self.bits == 8:\n            self._decode_int8(rows)\n",
+       "        if self.bits == 8:\n            self._decode_int8(rows)\n"
+       "            lay = rows.layout\n            if dist.get_rank(group) == 0:\n"
+       "                rows.values[:lay.chunk] += 1e-3\n",
+       "tests/test_warmup_bits.py::"
+       "test_every_rank_decodes_the_same_average_at_a_quarter_or_half_of_fp32s_bytes"),
+    # issue 43: a new user's trial
+    Mutant("entry-module-read-half-made-by-its-frameworks-hook",  # what the hook did before
+           "issue 43: entry modules import first",
+           (("integrations/lightning.py",
+             '            if f"onebit_plugin.integrations.{module}" not in sys.modules:\n'
+             '                importlib.import_module(f"onebit_plugin.integrations.{module}")\n',
+             "            if namespace in FABRIC_MODULES:\n"
+             "                fabric_strategy_for(namespace)\n"
+             "            else:\n                classes_for(namespace)\n"),),
+           ("tests/test_lightning.py::test_each_entry_module_imports_first_in_a_new_process",)),
+    _m("misspelt-argument-nearest-of-family-only", "issue 43: misspelt member arguments", CONFIG,
+       "get_close_matches(key, [*own, *FamilyOptions.__annotations__], n=1)",
+       "get_close_matches(key, list(FamilyOptions.__annotations__), n=1)",
+       "tests/test_bad_input.py::test_a_misspelt_member_argument_names_the_members_own_nearest"),
 ]
-
 
 def _copy_tree(dest: Path) -> None:
     """The working tree as git sees it (tracked and untracked, not ignored), and the package
