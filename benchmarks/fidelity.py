@@ -88,7 +88,12 @@ LAMB = {"lamb": {"freeze_step": 10**9}, "onebit_lamb": {"freeze_step": "auto"},
         "onebit_lamb_exact": {"freeze_step": "auto", "compress_momentum": False},
         "onebit_lamb_unbounded": {"freeze_step": "auto", "bound_update": False}}
 ADAM_LRS = {"adam_lr1e-3": 1e-3, "adam_lr3e-3": 3e-3, "adam_lr1e-2": 1e-2}
-ALL_VARIANTS = VARIANTS + list(ONEBIT_FIXED) + list(ZERO_ONE) + list(LAMB) + list(ADAM_LRS)
+# warmup_bits (issue 45): a member's full-precision steps in bf16 or int8, "<variant>_w16" and
+# "<variant>_w8" for each of these, compared with the same reference as the variant.
+WARMUP_BITS = {f"{v}_w{bits}": (v, bits) for v in ("onebit_auto", "onebit_fixed", "zero_one",
+                                                    "onebit_lamb") for bits in (16, 8)}
+ALL_VARIANTS = (VARIANTS + list(ONEBIT_FIXED) + list(ZERO_ONE) + list(LAMB) + list(ADAM_LRS)
+                + list(WARMUP_BITS))
 # The collectives a rank calls, counted by wrapping torch.distributed's functions (DDP's own
 # C++ allreduce is not one of them: the plain-Adam variants average through an equal Python
 # hook so that theirs are counted too). "Rounds": calls per optimizer step.
@@ -99,6 +104,7 @@ COLLECTIVES = ("all_reduce", "all_to_all_single", "all_gather", "broadcast",
 
 def reference(variant: str) -> str:
     """The run a variant is compared with."""
+    variant = WARMUP_BITS.get(variant, (variant, 32))[0]
     if "bf16" in variant or variant.endswith("compact_errors"):
         return "onebit_auto"
     if variant in LAMB or variant in ADAM_LRS:
@@ -224,11 +230,13 @@ def _optimizer(variant, ddp, lr):
     from onebit_plugin import OneBitAdam
     from onebit_plugin.entry.ddp_hook import register_onebit_hook
 
+    variant, bits = WARMUP_BITS.get(variant, (variant, 32))
+
     if variant in LAMB:
         from onebit_plugin import OneBitLamb
 
         opt = OneBitLamb(ddp.parameters(), lr=lr, weight_decay=0.01, total_steps=STEPS,
-                         max_skipped_steps=STEPS + 1, **LAMB[variant])
+                         max_skipped_steps=STEPS + 1, warmup_bits=bits, **LAMB[variant])
         register_onebit_hook(ddp, opt)
         return opt
     if variant in ADAM_LRS:
@@ -240,12 +248,13 @@ def _optimizer(variant, ddp, lr):
         if variant == "zero_one_exact_sync":
             _exact_syncs()
         opt = ZeroOneAdam(ddp.parameters(), lr=lr, total_steps=STEPS,
-                          max_skipped_steps=STEPS + 1, **ZERO_ONE[variant])
+                          max_skipped_steps=STEPS + 1, warmup_bits=bits, **ZERO_ONE[variant])
         register_onebit_hook(ddp, opt)
         return opt
     if variant.startswith("onebit"):
         # Skipped steps (inf/NaN gradients) are counted and reported, not fatal.
         opt = OneBitAdam(ddp.parameters(), lr=lr, total_steps=STEPS, max_skipped_steps=STEPS + 1,
+                         warmup_bits=bits,
                          freeze_step=FIXED_FREEZE if variant == "onebit_fixed" else
                          ONEBIT_FIXED.get(variant, "auto"),
                          bound_update=variant != "onebit_auto_unbounded",
@@ -346,11 +355,24 @@ def _rank(rank, world, port, workload, variant, seed, queue):
                   "seconds": time.perf_counter() - began,
                   "switch_step": getattr(opt, "switch_step", None),
                   "skipped_steps": getattr(opt, "skipped_steps", 0),
-                  "max_abs": largest_abs(model)}
+                  "max_abs": largest_abs(model), "variance": variance_means(model, opt)}
         report(queue, rank, result)
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         queue.put((rank, repr(exc).encode()))
+
+
+def variance_means(model, opt) -> dict[str, float]:
+    """Per tensor, the mean of the optimizer's frozen denominator at the end (1-bit Adam and
+    LAMB: ``frozen_denominator``, 0/1 Adam: the last refreshed ``exp_avg_sq``): compared between
+    the same member at 32 and fewer ``warmup_bits``, where both hold the same kind of value."""
+    out = {}
+    for name, p in model.named_parameters():
+        state = opt.state.get(p, {})
+        v = state.get("frozen_denominator", state.get("exp_avg_sq"))
+        if torch.is_tensor(v):
+            out[name] = float(v.double().mean())
+    return out
 
 
 def largest_abs(model) -> dict[str, float]:
@@ -413,8 +435,9 @@ def spawn_ranks(target, world: int, args: tuple, what: str, timeout: float = 600
 def summarize(rows: list[dict]) -> str:
     lines = ["| workload | variant | val loss vs Adam (mean, min..max over seeds) | bytes vs "
              "Adam (fewer) | collectives per step | largest per-tensor max abs vs Adam | freeze "
-             "step | steps skipped (inf/NaN), per seed | steps clipped, per seed |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "step | steps skipped (inf/NaN), per seed | steps clipped, per seed | variance "
+             "vs the member at 32 bits (largest per-tensor gap of means) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for workload in WORKLOADS:
         for variant in ALL_VARIANTS:
             adam = {r["seed"]: r for r in rows
@@ -427,6 +450,11 @@ def summarize(rows: list[dict]) -> str:
             mag = max(r["max_abs"][k] / adam[r["seed"]]["max_abs"][k]
                       for r in mine for k in r["max_abs"])
             freeze = sorted({r["switch_step"] for r in mine if r["switch_step"] is not None})
+            wide = {r["seed"]: r for r in rows if r["workload"] == workload and
+                    r["variant"] == WARMUP_BITS.get(variant, (None,))[0]}
+            drift = [abs(r["variance"][k] / wide[r["seed"]]["variance"][k] - 1)
+                     for r in mine if r["seed"] in wide for k in r.get("variance", {})
+                     if wide[r["seed"]].get("variance", {}).get(k)]
             lines.append(
                 f"| {workload} | {variant} | {statistics.mean(rel):+.2%} ({min(rel):+.2%}.."
                 f"{max(rel):+.2%}) | {fewer:.2f}x | "
@@ -435,7 +463,7 @@ def summarize(rows: list[dict]) -> str:
                 f"{', '.join(map(str, freeze)) or '-'} | "
                 f"{', '.join(str(r.get('skipped_steps', 0)) for r in mine)} | "
                 f"{', '.join(str(r.get('clipped', 0)) for r in mine) if 'clip' in variant else '-'}"
-                " |")
+                f" | {f'{max(drift):.2%}' if drift else '-'} |")
     return "\n".join(lines)
 
 
