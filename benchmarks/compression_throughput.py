@@ -1,6 +1,7 @@
 """Throughput of the CPU compression passes against the machine's copy bandwidth, side by side:
 the fused C passes (``onebit_plugin.kernels.cpu``, the default) and the torch passes (the
-reference and fallback).
+reference and fallback); the 1-bit allreduce's three and the int8 average's three
+(``warmup_bits=8``, ``onebit_plugin.wire.quantize``).
 
     .venv/bin/python benchmarks/compression_throughput.py [--numel 8388608] [--world 4]
 
@@ -8,7 +9,8 @@ Times each stage of one compressed allreduce on ``--threads`` threads (1 by defa
 communication: the worker pass over the whole tensor, the server pass over one chunk (W
 senders), the final decode, and a plain fp32 copy of the same tensor for reference (read n*4 +
 write n*4 bytes). Prints ms and GB/s counted as the fp32 bytes the stage reads and writes, and
-the ratio to the copy; checks that both backends gave the same bits. Each run appends one record
+the ratio to the copy (the int8 passes: the bytes they read and write, int8 counted as 1); checks
+that both backends gave the same bits. Each run appends one record
 to ``benchmarks/results/compression_throughput.jsonl`` (benchmarks/record.py).
 """
 
@@ -21,6 +23,7 @@ import torch
 from record import append_run, shown  # benchmarks/record.py
 
 from onebit_plugin.wire import compression as C
+from onebit_plugin.wire import quantize as Q
 
 
 def bench(fns: dict, repeat: int) -> dict:
@@ -75,6 +78,20 @@ def main() -> None:
         ("decompress", lambda b: C.decompress(packed, scales, mask, lay, out, buf, backend=b),
          4 * n),
     ]
+    qlay = Q.QuantLayout.create(n, args.world, 2048)
+    qx = torch.randn(qlay.padded_numel)
+    q = torch.empty(qlay.padded_numel, dtype=torch.int8)
+    qs = torch.empty(qlay.num_blocks)
+    Q.quantize(qx, qlay, q, qs)
+    own_q = torch.empty(qlay.chunk, dtype=torch.int8)
+    own_qs = torch.empty(qlay.blocks_per_chunk)
+    qout = torch.empty(qlay.padded_numel)
+    stages += [
+        ("int8 quantize", lambda b: Q.quantize(qx, qlay, q, qs, backend=b), 5 * n),
+        ("int8 average + quantize (1 chunk)", lambda b: Q.average_quantize(
+            q, qs, qlay, own_q, own_qs, backend=b), (args.world + 1) * qlay.chunk),
+        ("int8 dequantize", lambda b: Q.dequantize(q, qs, qlay, qout, backend=b), 5 * n),
+    ]
     print(f"numel={n} world={args.world} block={lay.block} threads={args.threads} "
           f"torch={torch.__version__}; each stage's best of {args.repeat} against the best fp32 "
           "copy of the same tensor timed in turn with it\n")
@@ -98,7 +115,12 @@ def main() -> None:
         C.worker_compress(x, e, mask, lay, packed, scales, buf, backend=backend)
         same.append((packed.clone(), scales.clone(), e))
     same_bits = all(torch.equal(a, b) for a, b in zip(*same, strict=True))
-    print(f"\nsame bits (worker pass, fresh errors): {same_bits}")
+    int8 = []
+    for backend in ("cpu", "torch"):
+        Q.quantize(qx, qlay, q, qs, backend=backend)
+        int8.append((q.clone(), qs.clone()))
+    same_bits = same_bits and all(torch.equal(a, b) for a, b in zip(*int8, strict=True))
+    print(f"\nsame bits (worker pass, fresh errors; int8 quantize): {same_bits}")
     out = append_run("compression_throughput", None, {
         "numel": n, "world": args.world, "block": lay.block, "threads": args.threads,
         "repeat": args.repeat, "stages": measured, "same_bits": same_bits})
