@@ -20,11 +20,14 @@ $(STAMP): setup.cfg pyproject.toml
 
 install: $(STAMP)
 
-# The main job: Trainer(strategy="onebit_adam") on NPROC CPU processes next to DDP + Adam.
+# The main job: Trainer(strategy="onebit_adam") on NPROC CPU processes next to DDP + Adam, then
+# with its warm-up sent as int8 (warmup_bits=8).
 demo: $(STAMP)
 	$(PY) examples/train_lightning.py --devices $(NPROC) --out $(DEMO_DIR)/onebit
 	$(PY) examples/train_lightning.py --devices $(NPROC) --optimizer adam --out $(DEMO_DIR)/adam
-	$(PY) examples/summarize.py $(DEMO_DIR)/adam/summary.json $(DEMO_DIR)/onebit/summary.json
+	$(PY) examples/train_lightning.py --devices $(NPROC) --warmup-bits 8 --out $(DEMO_DIR)/onebit_w8
+	$(PY) examples/summarize.py $(DEMO_DIR)/adam/summary.json $(DEMO_DIR)/onebit/summary.json \
+		$(DEMO_DIR)/onebit_w8/summary.json
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -22,20 +22,22 @@ def main(paths: list[str]) -> None:
         ("mean step time, warm-up (ms)", lambda r: _ms(r, "warmup")),
         ("mean step time, compression (ms)", lambda r: _ms(r, "compression")),
     ]
-    names = [r["optimizer"] for r in runs]
+    names = [r["optimizer"] + (f" w{r['warmup_bits']}" if r.get("warmup_bits", 32) != 32 else "")
+             for r in runs]
     print()
     print(f"{'':34s}" + "".join(f"{n:>14s}" for n in names))
     for label, fmt in rows:
         print(f"{label:34s}" + "".join(f"{fmt(r):>14s}" for r in runs))
-    base, other = runs[0], runs[-1]
+    base = runs[0]
     for r in runs:
         if r.get("strategy") == "ddp":
             print(f"({r['optimizer']}: bytes computed for DDP's fp32 ring allreduce of "
                   f"{r['parameters']:,} gradients per step; DDP does not count them)")
     print()
-    print(f"{other['optimizer']} vs {base['optimizer']}: validation loss "
-          f"{other['final_val_loss'] / base['final_val_loss'] - 1:+.2%}, bytes sent "
-          f"{base['bytes_sent'] / other['bytes_sent']:.2f}x less")
+    for name, other in zip(names[1:], runs[1:], strict=True):
+        print(f"{name} vs {names[0]}: validation loss "
+              f"{other['final_val_loss'] / base['final_val_loss'] - 1:+.2%}, bytes sent "
+              f"{base['bytes_sent'] / other['bytes_sent']:.2f}x less")
 
 
 if __name__ == "__main__":

@@ -109,12 +109,13 @@ class CharModule(pl.LightningModule):
         if a.optimizer == "zero_one":  # the strategy hands it the run's length
             return ZeroOneAdam(self.parameters(), lr=a.lr, var_freeze_step=a.var_freeze_step,
                                local_step_scaler=a.local_step_scaler,
-                               comm_timeout=a.comm_timeout)
+                               comm_timeout=a.comm_timeout, warmup_bits=a.warmup_bits)
         if a.optimizer == "lamb":
             return OneBitLamb(self.parameters(), lr=a.lr, weight_decay=0.01,
-                              freeze_step=a.freeze_step, comm_timeout=a.comm_timeout)
+                              freeze_step=a.freeze_step, comm_timeout=a.comm_timeout,
+                              warmup_bits=a.warmup_bits)
         return OneBitAdam(self.parameters(), lr=a.lr, freeze_step=a.freeze_step,
-                          comm_timeout=a.comm_timeout)
+                          comm_timeout=a.comm_timeout, warmup_bits=a.warmup_bits)
 
 
 def parse_args(argv=None):
@@ -133,6 +134,8 @@ def parse_args(argv=None):
                    help="ZeroOneAdam's last step of variance refreshes (int or auto)")
     p.add_argument("--local-step-scaler", type=freeze_step_arg, default="auto",
                    help="ZeroOneAdam's steps before the local interval doubles (int or auto)")
+    p.add_argument("--warmup-bits", type=int, default=32, choices=[32, 16, 8],
+                   help="bits per value of the full-precision steps (warmup_bits)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--batch", type=int, default=16, help="sequences per rank per micro-batch")
     p.add_argument("--context", type=int, default=64)
@@ -212,6 +215,7 @@ def main(argv=None) -> None:
         "compression_stage_bytes": comm.bytes_sent if comm else 0,
         "compression_stage_dense_bytes": comm.dense_bytes if comm else 0,
         "switch_step": getattr(opt, "switch_step", None),
+        "warmup_bits": opt.config.warmup_bits if hasattr(opt, "config") else 32,
         "mean_step_s": {k: sum(v) / len(v) for k, v in module.step_times.items() if v},
         "overlap": getattr(trainer.strategy, "hook_state", None) is not None
         and trainer.strategy.hook_state.overlap,
