@@ -18,6 +18,8 @@ configuration in turn:
                       steps, the interval doubling every 10 steps up to 16; only with --configs)
     lightning_adam    Trainer(strategy="ddp") + torch.optim.Adam: the Lightning strategy's own
                       baseline, Lightning's loop included (only with --configs)
+    onebit_hook_w8,   onebit_hook and zero_one_hook with warmup_bits=8: their full-precision
+    zero_one_hook_w8  steps sent as blockwise int8 (only with --configs)
 
 Without root (or without ``ip``) it says so and runs all ranks over loopback instead. Results:
 a markdown table on stdout, one record appended to ``benchmarks/results/cluster.jsonl``
@@ -48,7 +50,7 @@ WORKER = ROOT / "benchmarks" / "cluster_worker.py"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 ALL = ("adam", "fp16", "powersgd1", "powersgd4", "onebit_hook", "onebit_hook_sync",
        "onebit_lightning", "onebit_plain")
-EXTRA = ("lightning_adam", "zero_one_hook")
+EXTRA = ("lightning_adam", "zero_one_hook", "onebit_hook_w8", "zero_one_hook_w8")
 # comm: ~6.5M parameters and a small per-rank batch, so that an fp32 allreduce at 1 Gbit/s
 # costs several times the compute; compute: a 137K-parameter model where it does not.
 WORKLOADS = {
@@ -190,6 +192,12 @@ def report(records: dict, args, network: str) -> str:
             f"{r['final_val_loss']:.4f} | "
             f"{(r['final_val_loss'] / base['final_val_loss'] - 1) * 100:+.2f}% |"
         )
+    # The whole run against the compute-only bound: every step at C, nothing on the wire (the
+    # training time alone, evaluations off the clock, as each run's own `train_time_s`).
+    lines += ["", f"Whole run (training time, evaluations off the clock) against the "
+                  f"compute-only bound, {args.steps} steps x C = {args.steps * c:.1f} s:", ""]
+    lines += [f"- {name}: {r['train_time_s']:.1f} s, {r['train_time_s'] / (args.steps * c):.2f}x "
+              "the bound" for name, r in records.items()]
     if "lightning_adam" in records and "onebit_lightning" in records:
         own, mine = (records[k]["mean_step_s"] for k in ("lightning_adam", "onebit_lightning"))
         lines += ["", "The Lightning strategy against Lightning's own DDP + Adam "

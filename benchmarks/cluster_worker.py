@@ -29,7 +29,8 @@ from charlm import CharGPT, evaluate, load_corpus, loss_fn, sample_batch  # noqa
 from onebit_plugin import OneBitAdam, ZeroOneAdam, register_onebit_hook  # noqa: E402
 
 CONFIGS = ("adam", "fp16", "powersgd1", "powersgd4", "onebit_hook", "onebit_hook_sync",
-           "onebit_plain", "onebit_lightning", "lightning_adam", "zero_one_hook")
+           "onebit_plain", "onebit_lightning", "lightning_adam", "zero_one_hook",
+           "onebit_hook_w8", "zero_one_hook_w8")
 
 
 def tx_bytes(iface: str) -> int:
@@ -47,7 +48,7 @@ def parse_args():
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--var-freeze-step", type=int, default=48,
-                   help="zero_one_hook: ZeroOneAdam's last refresh step")
+                   help="zero_one_hook(_w8): ZeroOneAdam's last refresh step")
     p.add_argument("--local-step-scaler", type=int, default=10,
                    help="zero_one_hook: ZeroOneAdam's steps before the local interval doubles")
     p.add_argument("--eval-every", type=int, default=20)
@@ -139,6 +140,7 @@ def calibrate(model, train, args, gen) -> tuple[float, float]:
 def run_plain(args, model, train, rec) -> str:
     rank = dist.get_rank()
     cfg = args.config
+    bits = 8 if cfg.endswith("_w8") else 32  # warmup_bits: the full-precision steps as int8
     if cfg == "onebit_plain":
         net = model
     elif cfg.startswith("powersgd"):
@@ -151,15 +153,17 @@ def run_plain(args, model, train, rec) -> str:
         net = DDP(model, gradient_as_bucket_view=True)
     else:
         net = DDP(model)
-    if cfg == "zero_one_hook":
+    if cfg.startswith("zero_one_hook"):
         opt = ZeroOneAdam(net.parameters(), lr=args.lr, decoupled_weight_decay=False,
                           var_freeze_step=args.var_freeze_step,
-                          local_step_scaler=args.local_step_scaler, total_steps=args.steps)
+                          local_step_scaler=args.local_step_scaler, total_steps=args.steps,
+                          warmup_bits=bits)
         register_onebit_hook(net, opt)
     elif cfg.startswith("onebit"):
-        opt = OneBitAdam(net.parameters(), lr=args.lr, freeze_step=args.freeze_step)
+        opt = OneBitAdam(net.parameters(), lr=args.lr, freeze_step=args.freeze_step,
+                         warmup_bits=bits)
         if cfg.startswith("onebit_hook"):
-            register_onebit_hook(net, opt, overlap=cfg == "onebit_hook")
+            register_onebit_hook(net, opt, overlap=cfg != "onebit_hook_sync")
     else:
         opt = torch.optim.Adam(net.parameters(), lr=args.lr)
     if cfg == "fp16":

@@ -41,7 +41,8 @@ WARMUP_CHUNK_BYTES_CUDA = 32 * 2**20
 
 
 # The int8 average's block: 4 bytes of scale per 2048 values (+0.2% on the wire);
-# benchmarks/quantized_warmup.py measures what larger and smaller ones cost the variance.
+# benchmarks/quantized_warmup.py measures what larger and smaller ones cost the variance
+# (docs/benchmarks.md).
 QUANT_BLOCK = 2048
 
 

@@ -25,7 +25,7 @@ Round-to-nearest, not stochastic rounding, and no error feedback: Adam's varianc
 the averaged gradient squared, and stochastic rounding is unbiased for g but not for g**2, while
 error feedback would add last step's residual to this step's g**2. The relative error of a
 value at its block's maximum is at most 1/254; ``benchmarks/quantized_warmup.py`` measures what
-the variance sees.
+the variance sees, by block size.
 """
 
 from __future__ import annotations
