@@ -64,6 +64,7 @@ mutants: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[dev,bench]"
 	$(PY) benchmarks/compression_throughput.py
+	$(PY) benchmarks/quantized_warmup.py
 	$(PY) benchmarks/step_cost.py
 	$(PY) benchmarks/collective_patterns.py
 	$(PY) benchmarks/cluster.py --workload comm
@@ -78,7 +79,8 @@ bench: $(STAMP)
 # scikit-learn's digits, 3 seeds, 2 gloo ranks, and 1-bit with clipping, with bf16 parameters
 # and with bf16 errors; then 1-bit LAMB against LAMB and Adam at a global batch of 4,096
 # (1,047 s on 2 cores, 2026-12-03), and against LAMB at LAMB's better lr, 0.005, with its two
-# ablations (1,108 s); tables and plots in docs/benchmarks.md.
+# ablations (1,108 s); then warmup_bits 16 and 8 beside 32 for 1-bit Adam and 1-bit LAMB on the
+# three workloads and 1-bit LAMB at 8 on the large batch; tables and plots in docs/benchmarks.md.
 fidelity: $(STAMP)
 	$(PY) -m pip install -q -e ".[dev,bench]"
 	$(PY) benchmarks/fidelity.py
@@ -87,13 +89,20 @@ fidelity: $(STAMP)
 	$(PY) benchmarks/fidelity.py --workloads large_batch --lr 0.005 \
 		--plot docs/fidelity_lamb_lr005_loss_vs_bytes.png \
 		--variants lamb,onebit_lamb,onebit_lamb_exact,onebit_lamb_unbounded
+	$(PY) benchmarks/fidelity.py --plot docs/fidelity_warmup_bits_loss_vs_bytes.png \
+		--variants adam,onebit_auto,onebit_auto_w16,onebit_auto_w8,lamb,onebit_lamb,onebit_lamb_w8
+	$(PY) benchmarks/fidelity.py --workloads large_batch --lr 0.005 \
+		--plot docs/fidelity_lamb_w8_loss_vs_bytes.png --variants lamb,onebit_lamb,onebit_lamb_w8
 
 # 0/1 Adam against Adam and 1-bit Adam over 2,000 steps (about 35 minutes on 2 cores, estimated
 # from its runs' times): the same three workloads, 3 seeds, 2 gloo ranks; defaults, syncs every
-# step, intervals of 16 early and up to 64; table and plot in docs/benchmarks.md.
+# step, intervals of 16 early and up to 64; then the defaults at warmup_bits=8 (about 12 minutes);
+# tables and plots in docs/benchmarks.md.
 fidelity-long: $(STAMP)
 	$(PY) -m pip install -q -e ".[dev,bench]"
 	$(PY) benchmarks/fidelity.py --steps 2000 --variants adam,onebit_auto,zero_one,zero_one_sync_every_step,zero_one_local16_early,zero_one_local64 --plot docs/fidelity_zero_one_loss_vs_bytes.png
+	$(PY) benchmarks/fidelity.py --steps 2000 --variants adam,zero_one,zero_one_w8 \
+		--plot docs/fidelity_zero_one_w8_loss_vs_bytes.png
 
 soak: $(STAMP)
 	$(VENV)/bin/torchrun --nproc_per_node 2 benchmarks/soak.py --steps 3000

@@ -6,6 +6,10 @@
    2**31 + 123 values, whose worker and decode passes are compared on three spans of 16 blocks
    (the first, those around value 2**31, the last with the padding) and its server pass whole.
 2. Each kernel's throughput against the device's copy bandwidth.
+   The int8 passes of ``warmup_bits=8`` (``onebit_plugin.wire.quantize``: quantize, the owner's
+   average + quantize, dequantize) the same way: their Triton kernels against the torch
+   reference bit for bit (ragged sizes, world sizes 1, 3 and 8, a block with a NaN and one with
+   an infinity, a block of zeros), and their throughput.
 3. OneBitAdam end to end on the GPU: warm-up and compression stage on one process, the step
    counters on the CPU after a save/load, and the host syncs of one step counted with
    ``torch.cuda.set_sync_debug_mode``; a warm-up step() of 403M parameters timed against torch's
@@ -42,6 +46,7 @@ import torch
 from record import append_run, read_runs, shown  # benchmarks/record.py
 
 from onebit_plugin.wire import compression as ref
+from onebit_plugin.wire import quantize as qref
 from onebit_plugin.wire.compression import ChunkLayout, CoordinateMask
 
 
@@ -265,6 +270,101 @@ def throughput(device, numel: int, kernels, world: int = 8, max_block: int = 204
                        numel // 8 + numel * (1 + 2)),
     }
     result = {"numel": numel, "world": world, "max_block": max_block,
+              "copy_GBps": round(copy_gbs, 1)}
+    for name, (fn, nbytes) in cases.items():
+        seconds = _timed(fn, device)
+        result[name] = {"ms": round(seconds * 1e3, 3), "GBps": round(nbytes / seconds / 1e9, 1),
+                        "of_copy": round(nbytes / seconds / 1e9 / copy_gbs, 3)}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit, NaN included (torch.equal says a NaN differs from itself)."""
+    a, b = a.cpu(), b.cpu()
+    if a.dtype.is_floating_point:
+        a, b = a.view(torch.int32), b.view(torch.int32)
+    return bool(torch.equal(a, b))
+
+
+def _int8_data(numel: int, world: int, device, seed: int):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    layout = qref.QuantLayout.create(numel, world, 2048)
+    x = torch.zeros(layout.padded_numel, device=device)
+    x[:numel] = torch.randn(numel, generator=gen, device=device) * 3
+    if numel > 3 * layout.block:  # a NaN, an infinity and a block of zeros
+        x[1] = float("nan")
+        x[layout.block + 2] = float("inf")
+        x[2 * layout.block:3 * layout.block] = 0
+    return layout, x
+
+
+def int8_against_reference(device, sizes, worlds) -> list[dict]:
+    """The three int8 passes' Triton kernels against the torch reference (backend="torch" on CPU
+    copies), every output compared bit for bit."""
+    rows = []
+    for numel in sizes:
+        for world in worlds:
+            row = {"numel": numel, "world": world}
+            try:
+                lay, x = _int8_data(numel, world, device, numel + world)
+                q = torch.empty(lay.padded_numel, dtype=torch.int8, device=device)
+                s = torch.empty(lay.num_blocks, device=device)
+                q0, s0 = torch.empty_like(q, device="cpu"), torch.empty_like(s, device="cpu")
+                qref.quantize(x, lay, q, s, backend="triton")
+                qref.quantize(x.cpu(), lay, q0, s0, backend="torch")
+                row["quantize_equal"] = _bits_equal(q, q0) and _bits_equal(s, s0)
+                # The owner's pass on W senders' copies of one chunk: this quantized tensor's
+                # rows, scaled differently per sender so that the sum rounds.
+                recv_q = q.view(world, lay.chunk).contiguous().view(-1)
+                recv_s = (s.view(world, lay.blocks_per_chunk)
+                          * torch.arange(1, world + 1, device=device)[:, None]).reshape(-1)
+                own_q = torch.empty(lay.chunk, dtype=torch.int8, device=device)
+                own_s = torch.empty(lay.blocks_per_chunk, device=device)
+                own_q0 = torch.empty_like(own_q, device="cpu")
+                own_s0 = torch.empty_like(own_s, device="cpu")
+                qref.average_quantize(recv_q, recv_s, lay, own_q, own_s, backend="triton")
+                qref.average_quantize(recv_q.cpu(), recv_s.cpu(), lay, own_q0, own_s0,
+                                      backend="torch")
+                row["average_quantize_equal"] = (_bits_equal(own_q, own_q0) and
+                                                 _bits_equal(own_s, own_s0))
+                out = torch.empty(lay.padded_numel, device=device)
+                out0 = torch.empty_like(out, device="cpu")
+                qref.dequantize(q, s, lay, out, backend="triton")
+                qref.dequantize(q0, s0, lay, out0, backend="torch")
+                row["dequantize_equal"] = _bits_equal(out, out0)
+                row["ok"] = all(v for k, v in row.items() if k.endswith("equal"))
+            except Exception as exc:  # noqa: BLE001 - reported, the check goes on
+                row["ok"], row["error"] = False, f"{type(exc).__name__}: {exc}"[:500]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def int8_throughput(device, numel: int, world: int = 8) -> dict:
+    """GB/s of each int8 pass (the bytes it reads and writes, int8 counted as 1) against a copy
+    of fp32 values."""
+    lay, x = _int8_data(numel, world, device, 3)
+    q = torch.empty(lay.padded_numel, dtype=torch.int8, device=device)
+    s = torch.empty(lay.num_blocks, device=device)
+    qref.quantize(x, lay, q, s, backend="triton")
+    own_q = torch.empty(lay.chunk, dtype=torch.int8, device=device)
+    own_s = torch.empty(lay.blocks_per_chunk, device=device)
+    out = torch.empty(lay.padded_numel, device=device)
+    b = torch.empty_like(x)
+    copy_s = _timed(lambda: b.copy_(x), device)
+    copy_gbs = 8 * lay.padded_numel / copy_s / 1e9
+    n, chunk = lay.padded_numel, lay.chunk
+    cases = {
+        "int8_quantize": (lambda: qref.quantize(x, lay, q, s, backend="triton"),
+                          5 * n + 4 * lay.num_blocks),
+        "int8_average_quantize": (lambda: qref.average_quantize(q, s, lay, own_q, own_s,
+                                                                backend="triton"),
+                                  (world + 1) * chunk + 4 * (world + 1) * lay.blocks_per_chunk),
+        "int8_dequantize": (lambda: qref.dequantize(q, s, lay, out, backend="triton"),
+                            5 * n + 4 * lay.num_blocks),
+    }
+    result = {"numel": numel, "world": world, "block": lay.block,
               "copy_GBps": round(copy_gbs, 1)}
     for name, (fn, nbytes) in cases.items():
         seconds = _timed(fn, device)
@@ -533,13 +633,14 @@ def main() -> None:
     #   passes) to ~82 s (the torch passes: no C compiler) plus ~35 GB copied to the host
     #   and 25-45 GB of host memory: 2**24 + 123 values timed here, scaled by 128.
     # - throughput, two rows: 20 repeats of milliseconds per pass, and compiling         ~10 s
+    # - int8: 5 sizes x 3 worlds, three kernels compiled once each; their throughput    ~15 s
     # - end_to_end, the cuda string, the stream probe                                    ~10 s
     # - warmup_step: 403M parameters, 3 optimizers x 23 steps of milliseconds each       ~10 s
     # - two_gloo_ranks: two spawned processes (torch, CUDA, Triton's disk cache),       ~40 s
     #   3 paths x 8 steps of a small MLP
     # - memory.py --device cuda: 6 configurations x 2 fresh processes, 8-18 steps      ~120 s
     #   of 25.2M parameters each (about a minute on the 2-core VM's CPU without CUDA)
-    # Total about 4.5 minutes.
+    # Total about 5 minutes.
     if args.quick:
         # The spans of a large case checked at 2**18 + 123 values (the interpreter's speed).
         sizes, worlds, big, tput = [1, 1001, 4099], [1, 3], [2**18 + 123], 1 << 14
@@ -557,6 +658,8 @@ def main() -> None:
         ("throughput", lambda: throughput(device, tput, kernels)),
         ("throughput_max_block_16384", lambda: throughput(device, tput, kernels,
                                                           max_block=16384)),
+        ("int8_kernels", lambda: int8_against_reference(device, sizes, [1, 3, 8])),
+        ("int8_throughput", lambda: int8_throughput(device, tput)),
         ("end_to_end", lambda: end_to_end(device)),
         ("warmup_step", lambda: warmup_step(device, *((256, 4) if args.quick else (4096, 24)))),
         ("device_cuda_string", lambda: device_cuda_string(device)),
@@ -580,7 +683,8 @@ def main() -> None:
     with open(os.path.join(args.out, "gpu_check_record.json"), "w") as f:
         f.write(json.dumps(read_runs("gpu_check")[-1], separators=(",", ":")) + "\n")
     print(f"gpu_check: the run appended to {shown(path)}", flush=True)
-    bad = [r for r in report.get("kernels", []) + report.get("kernels_over_2_31", [])
+    bad = [r for part in ("kernels", "kernels_over_2_31", "int8_kernels")
+           for r in (report.get(part) if isinstance(report.get(part), list) else [])
            if isinstance(r, dict) and not r.get("ok")]
     print(f"gpu_check: {len(bad)} kernel case(s) failed; report in {args.out}/gpu_check.json")
     sys.exit(1 if bad else 0)
