@@ -22,6 +22,7 @@ import time
 import torch
 from record import append_run, shown  # benchmarks/record.py
 
+from onebit_plugin.core.gradient_average import QUANT_BLOCK
 from onebit_plugin.wire import compression as C
 from onebit_plugin.wire import quantize as Q
 
@@ -78,7 +79,7 @@ def main() -> None:
         ("decompress", lambda b: C.decompress(packed, scales, mask, lay, out, buf, backend=b),
          4 * n),
     ]
-    qlay = Q.QuantLayout.create(n, args.world, 2048)
+    qlay = Q.QuantLayout.create(n, args.world, QUANT_BLOCK)  # the block warmup_bits=8 sends
     qx = torch.randn(qlay.padded_numel)
     q = torch.empty(qlay.padded_numel, dtype=torch.int8)
     qs = torch.empty(qlay.num_blocks)

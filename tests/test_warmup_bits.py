@@ -361,6 +361,7 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from onebit_plugin.core.gradient_average import QUANT_BLOCK
 from onebit_plugin.kernels import int8_quantize as k
 
 kernels = {
@@ -373,8 +374,9 @@ kernels = {
                            "block": "i32", "TILE": "constexpr"},
 }
 for fn, sig in kernels.items():
-    config = k._config(2048)
-    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={"TILE": 2048}),
+    config = k._config(QUANT_BLOCK)  # the block the package sends
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig,
+                                        constexprs={"TILE": config["TILE"]}),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": config["num_warps"],
                                        "enable_fp_fusion": False})
