@@ -90,9 +90,9 @@ fidelity: $(STAMP)
 		--plot docs/fidelity_lamb_lr005_loss_vs_bytes.png \
 		--variants lamb,onebit_lamb,onebit_lamb_exact,onebit_lamb_unbounded
 	$(PY) benchmarks/fidelity.py --plot docs/fidelity_warmup_bits_loss_vs_bytes.png \
-		--variants adam,onebit_auto,onebit_auto_w16,onebit_auto_w8,lamb,onebit_lamb,onebit_lamb_w8
+		--variants adam,onebit_auto,onebit_auto_w16,onebit_auto_w8,lamb,onebit_lamb,onebit_lamb_w16,onebit_lamb_w8
 	$(PY) benchmarks/fidelity.py --workloads large_batch --lr 0.005 \
-		--plot docs/fidelity_lamb_w8_loss_vs_bytes.png --variants lamb,onebit_lamb,onebit_lamb_w8
+		--plot docs/fidelity_lamb_w8_loss_vs_bytes.png --variants lamb,onebit_lamb,onebit_lamb_w16,onebit_lamb_w8
 
 # 0/1 Adam against Adam and 1-bit Adam over 2,000 steps (about 35 minutes on 2 cores, estimated
 # from its runs' times): the same three workloads, 3 seeds, 2 gloo ranks; defaults, syncs every
@@ -101,7 +101,7 @@ fidelity: $(STAMP)
 fidelity-long: $(STAMP)
 	$(PY) -m pip install -q -e ".[dev,bench]"
 	$(PY) benchmarks/fidelity.py --steps 2000 --variants adam,onebit_auto,zero_one,zero_one_sync_every_step,zero_one_local16_early,zero_one_local64 --plot docs/fidelity_zero_one_loss_vs_bytes.png
-	$(PY) benchmarks/fidelity.py --steps 2000 --variants adam,zero_one,zero_one_w8 \
+	$(PY) benchmarks/fidelity.py --steps 2000 --variants adam,zero_one,zero_one_w16,zero_one_w8 \
 		--plot docs/fidelity_zero_one_w8_loss_vs_bytes.png
 
 soak: $(STAMP)
