@@ -25,6 +25,7 @@ from onebit_plugin import OneBitAdam
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from charlm import CharGPT, evaluate, load_corpus, loss_fn, sample_batch  # noqa: E402
+from teardown import leave_process_group  # noqa: E402
 from wire import WireLog  # noqa: E402
 
 
@@ -78,3 +79,4 @@ class CharLM(pl.LightningModule):
 
 if __name__ == "__main__":
     LightningCLI(CharLM, save_config_callback=None)
+    leave_process_group()  # gloo's exit race: teardown.py

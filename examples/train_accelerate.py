@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from charlm import CharGPT, evaluate, load_corpus, loss_fn, sample_batch  # noqa: E402
+from teardown import leave_process_group  # noqa: E402
 from wire import WireLog  # noqa: E402
 
 
@@ -127,6 +128,7 @@ def main(argv=None) -> None:
                    "gradient_as_bucket_view": getattr(model, "gradient_as_bucket_view", None)}
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         print(json.dumps(summary))
+    leave_process_group()  # gloo's exit race (teardown.py); end_training() then finds no group
     accelerator.end_training()
 
 

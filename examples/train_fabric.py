@@ -31,6 +31,7 @@ from charlm import (  # noqa: E402
     loss_fn,
     sample_batch,
 )
+from teardown import leave_process_group  # noqa: E402
 from wire import WireLog  # noqa: E402
 
 
@@ -125,3 +126,4 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    leave_process_group()  # gloo's exit race: teardown.py

@@ -25,6 +25,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from charlm import load_corpus  # noqa: E402
+from teardown import leave_process_group  # noqa: E402
 from wire import WireLog  # noqa: E402
 
 
@@ -111,3 +112,4 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    leave_process_group()  # gloo's exit race: teardown.py

@@ -28,6 +28,7 @@ from onebit_plugin.integrations.lightning import OneBitAdamCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from charlm import CharGPT, freeze_step_arg, load_corpus, loss_fn, sample_batch  # noqa: E402
+from teardown import leave_process_group  # noqa: E402
 
 
 class Windows(Dataset):
@@ -227,3 +228,4 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+    leave_process_group()  # gloo's exit race: teardown.py
