@@ -12,6 +12,9 @@ Workloads (offline data only):
   from the small-batch one by sqrt(4096 / 128), as LAMB's users scale it; compared with LAMB
   (exact, averaged by DDP's allreduce) and with Adam at three learning rates (its best is the
   one to read).
+* ``--workloads wider``: ``char_mlp``, ``gpt_cosine`` and ``bow_topics``, kinds the three do not
+  cover (an MLP language model at a constant learning rate, a warm-up + cosine schedule, rows
+  sparse in a bag of words): ``benchmarks/wider_workloads.py``.
 
 Every variant runs the same model, seed, data order and steps under DDP (1-bit Adam through
 ``register_onebit_hook``, fp16 and PowerSGD through torch's own DDP hooks). Bytes are what each
@@ -50,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 from charlm import CharGPT, evaluate, load_corpus, loss_fn, sample_batch  # noqa: E402
 from record import append_run, shown  # noqa: E402 - benchmarks/record.py
+from wider_workloads import WIDER  # noqa: E402 - benchmarks/wider_workloads.py
 from wire import written  # noqa: E402
 
 STEPS = 240
@@ -77,9 +81,16 @@ ZERO_ONE = {"zero_one": {}, "zero_one_local16_early": {"local_step_scaler": 8},
             "zero_one_sync_unbounded": {"local_step_clipper": 1, "bound_update": False},
             "zero_one_freeze400": {"var_freeze_step": 400},
             "zero_one_freeze400_sync": {"var_freeze_step": 400, "local_step_clipper": 1},
-            "zero_one_exact_sync": {}}
+            "zero_one_exact_sync": {},
+            # Issue 44's ablations: phase A as plain Adam (every step refreshes the variance
+            # to the same freeze, 240 of 2,000), and intervals of at most 4.
+            "zero_one_adam_phase_a": {"var_freeze_step": 240, "var_update_scaler": 10**6},
+            "zero_one_local4": {"local_step_clipper": 4}}
 # 1-bit Adam at fixed freeze steps other than FIXED_FREEZE (0/1 Adam's comparisons).
 ONEBIT_FIXED = {"onebit_fixed240": 240}
+# What the frozen variance costs apart from the compression: the same freeze ("auto"), the
+# momentum averaged exactly (compress_momentum=False).
+ONEBIT_EXACT = ("onebit_auto_exact",)
 # 1-bit LAMB on the large-batch workload: LAMB itself (never frozen), 1-bit LAMB's defaults
 # (freeze_step="auto"), and Adam at three learning rates.
 # What costs what: the same freeze with the momentum averaged exactly (the frozen ratio and
@@ -92,8 +103,8 @@ ADAM_LRS = {"adam_lr1e-3": 1e-3, "adam_lr3e-3": 3e-3, "adam_lr1e-2": 1e-2}
 # "<variant>_w8" for each of these, compared with the same reference as the variant.
 WARMUP_BITS = {f"{v}_w{bits}": (v, bits) for v in ("onebit_auto", "onebit_fixed", "zero_one",
                                                     "onebit_lamb") for bits in (16, 8)}
-ALL_VARIANTS = (VARIANTS + list(ONEBIT_FIXED) + list(ZERO_ONE) + list(LAMB) + list(ADAM_LRS)
-                + list(WARMUP_BITS))
+ALL_VARIANTS = (VARIANTS + list(ONEBIT_FIXED) + list(ONEBIT_EXACT) + list(ZERO_ONE)
+                + list(LAMB) + list(ADAM_LRS) + list(WARMUP_BITS))
 # The collectives a rank calls, counted by wrapping torch.distributed's functions (DDP's own
 # C++ allreduce is not one of them: the plain-Adam variants average through an equal Python
 # hook so that theirs are counted too). "Rounds": calls per optimizer step.
@@ -219,8 +230,10 @@ class LargeBatch(WordEmbed):
 
 
 WORKLOADS = {"gpt_text": GptText, "word_embed": WordEmbed, "digits": Digits,
-             "large_batch": LargeBatch}
+             "large_batch": LargeBatch, **WIDER}
 STANDARD = ("gpt_text", "word_embed", "digits")
+# --workloads wider: the kinds the three do not cover (issue 44, benchmarks/wider_workloads.py).
+NAMED = {"standard": STANDARD, "wider": tuple(WIDER), "all": STANDARD + tuple(WIDER)}
 
 
 # ----------------------------------------------------------------------------- one run
@@ -258,6 +271,7 @@ def _optimizer(variant, ddp, lr):
                          freeze_step=FIXED_FREEZE if variant == "onebit_fixed" else
                          ONEBIT_FIXED.get(variant, "auto"),
                          bound_update=variant != "onebit_auto_unbounded",
+                         compress_momentum=variant not in ONEBIT_EXACT,
                          master_weights=variant.endswith("_master"),
                          error_dtype="bfloat16" if variant.endswith("compact_errors")
                          else "float32")
@@ -329,6 +343,10 @@ def _rank(rank, world, port, workload, variant, seed, queue):
         # size doesn't match expected size"). One bucket keeps one chain.
         ddp = DDP(model, bucket_cap_mb=1000) if variant == "powersgd" else DDP(model)
         opt = _optimizer(variant, ddp, LR or work.lr)
+        # A workload's learning-rate schedule (gpt_cosine's), stepped after each optimizer step
+        # as Lightning and the transformers Trainer step theirs.
+        scheduler = (torch.optim.lr_scheduler.LambdaLR(opt, lambda t: work.schedule(t, STEPS))
+                     if hasattr(work, "schedule") else None)
         gen = torch.Generator().manual_seed(1000 * seed + rank)  # each rank its own batches
         curve, clipped = [], 0
         calls = _count_collectives()
@@ -343,6 +361,8 @@ def _rank(rank, world, port, workload, variant, seed, queue):
             norm = _clip(variant, ddp, opt)
             clipped += norm is not None and norm > CLIP
             opt.step()
+            if scheduler is not None:
+                scheduler.step()
             # Six points, the last at the run's end: with 2,000 steps the last was at 1,998
             # (6 x 333), where 0/1 Adam's ranks were between syncs (each on its own point; the
             # run's last step syncs them), and rank 0's own point was reported.
@@ -511,7 +531,8 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=3, help="runs per variant, seeds 0 to N-1")
     p.add_argument("--steps", type=int, default=STEPS,
                    help="optimizer steps per run (default %(default)s)")
-    p.add_argument("--workloads", default=",".join(STANDARD))
+    p.add_argument("--workloads", default=",".join(STANDARD),
+                   help=f"names, or one of {', '.join(NAMED)} (default: the standard three)")
     p.add_argument("--lr", type=float, default=None,
                    help="replaces the workloads' own lr (not the adam_lr* variants'): LAMB at "
                         "another lr on large_batch, say")
@@ -527,7 +548,8 @@ def main() -> None:
     STEPS, LR = args.steps, args.lr
     rows = []
     began = time.perf_counter()
-    for workload in args.workloads.split(","):
+    workloads = NAMED.get(args.workloads) or args.workloads.split(",")
+    for workload in workloads:
         for seed in range(args.seeds):
             for variant in args.variants.split(","):
                 r = run(workload, variant, seed)
