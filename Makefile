@@ -97,12 +97,18 @@ fidelity: $(STAMP)
 # 0/1 Adam against Adam and 1-bit Adam over 2,000 steps (about 35 minutes on 2 cores, estimated
 # from its runs' times): the same three workloads, 3 seeds, 2 gloo ranks; defaults, syncs every
 # step, intervals of 16 early and up to 64; then the defaults at warmup_bits=8 (about 12 minutes);
-# tables and plots in docs/benchmarks.md.
+# then the wider workloads at the defaults (1,169 s on 2 cores, 2026-12-06) and 0/1 Adam's
+# ablations on char_mlp (830 s); tables and plots in docs/benchmarks.md.
 fidelity-long: $(STAMP)
 	$(PY) -m pip install -q -e ".[dev,bench]"
 	$(PY) benchmarks/fidelity.py --steps 2000 --variants adam,onebit_auto,zero_one,zero_one_sync_every_step,zero_one_local16_early,zero_one_local64 --plot docs/fidelity_zero_one_loss_vs_bytes.png
 	$(PY) benchmarks/fidelity.py --steps 2000 --variants adam,zero_one,zero_one_w16,zero_one_w8 \
 		--plot docs/fidelity_zero_one_w8_loss_vs_bytes.png
+	$(PY) benchmarks/fidelity.py --steps 2000 --workloads wider --variants adam,zero_one,onebit_auto \
+		--plot docs/fidelity_wider_loss_vs_bytes.png
+	$(PY) benchmarks/fidelity.py --steps 2000 --workloads char_mlp \
+		--variants adam,zero_one_exact_sync,zero_one_freeze400,zero_one_unbounded,zero_one_adam_phase_a,zero_one_local4,zero_one_phase_a_only,onebit_auto_exact \
+		--plot docs/fidelity_char_mlp_ablations.png
 
 soak: $(STAMP)
 	$(VENV)/bin/torchrun --nproc_per_node 2 benchmarks/soak.py --steps 3000

@@ -14,7 +14,7 @@ Workloads (offline data only):
   one to read).
 * ``--workloads wider``: ``char_mlp``, ``gpt_cosine`` and ``bow_topics``, kinds the three do not
   cover (an MLP language model at a constant learning rate, a warm-up + cosine schedule, rows
-  sparse in a bag of words): ``benchmarks/wider_workloads.py``.
+  sparse in a bag of words). The workloads themselves: ``benchmarks/workloads.py``.
 
 Every variant runs the same model, seed, data order and steps under DDP (1-bit Adam through
 ``register_onebit_hook``, fp16 and PowerSGD through torch's own DDP hooks). Bytes are what each
@@ -34,7 +34,6 @@ import io
 import json
 import math
 import os
-import re
 import socket
 import statistics
 import sys
@@ -51,10 +50,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT))
 
-from charlm import CharGPT, evaluate, load_corpus, loss_fn, sample_batch  # noqa: E402
 from record import append_run, shown  # noqa: E402 - benchmarks/record.py
-from wider_workloads import WIDER  # noqa: E402 - benchmarks/wider_workloads.py
 from wire import written  # noqa: E402
+from workloads import NAMED, STANDARD, WORKLOADS  # noqa: E402 - benchmarks/workloads.py
 
 STEPS = 240
 LR = None  # --lr: replaces the workloads' own
@@ -132,108 +130,6 @@ def _clip(variant, ddp, opt) -> float | None:
         # holds the averaged momentum: what clipping did before OneBitAdam.clip_grad_norm_.
         return float(nn.utils.clip_grad_norm_(ddp.parameters(), CLIP))
     return None
-
-
-# ----------------------------------------------------------------------------- workloads
-class GptText:
-    lr, batch = 3e-3, 16
-
-    def __init__(self):
-        self.train, self.val = load_corpus()
-
-    def model(self):
-        return CharGPT(dim=64, layers=2, context=64)
-
-    def batch_of(self, gen):
-        return sample_batch(self.train, self.batch, 64, gen)
-
-    def loss(self, model, batch):
-        return loss_fn(model, *batch)
-
-    def val_loss(self, model):
-        return evaluate(model, self.val, 64)
-
-
-class WordEmbed:
-    lr, batch, vocab, context = 3e-3, 64, 4096, 3
-
-    def __init__(self):
-        from pydoc_data.topics import topics
-
-        text = "\n\n".join(topics[k] for k in sorted(topics)).lower()
-        words = re.findall(r"[a-z_]+|[^\sa-z_]", text)
-        counts: dict[str, int] = {}
-        for w in words:
-            counts[w] = counts.get(w, 0) + 1
-        top = sorted(counts, key=lambda w: (-counts[w], w))[: self.vocab - 1]
-        index = {w: i + 1 for i, w in enumerate(top)}  # 0: any other word
-        ids = torch.tensor([index.get(w, 0) for w in words])
-        split = int(0.9 * len(ids))
-        self.train, self.val = ids[:split], ids[split:]
-
-    def model(self):
-        return nn.Sequential(nn.Embedding(self.vocab, 32), nn.Flatten(),
-                             nn.Linear(32 * self.context, 128), nn.GELU(),
-                             nn.Linear(128, self.vocab))
-
-    def _sample(self, data, n, gen):
-        starts = torch.randint(0, len(data) - self.context - 1, (n,), generator=gen)
-        window = data[starts[:, None] + torch.arange(self.context + 1)]
-        return window[:, :-1], window[:, -1]
-
-    def batch_of(self, gen):
-        return self._sample(self.train, self.batch, gen)
-
-    def loss(self, model, batch):
-        x, y = batch
-        return nn.functional.cross_entropy(model(x), y)
-
-    @torch.no_grad()
-    def val_loss(self, model):
-        gen = torch.Generator().manual_seed(1234)
-        return sum(self.loss(model, self._sample(self.val, 256, gen)).item()
-                   for _ in range(8)) / 8
-
-
-class Digits:
-    lr, batch = 1e-3, 32
-
-    def __init__(self):
-        from sklearn.datasets import load_digits
-
-        x, y = load_digits(return_X_y=True)
-        order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
-        x = torch.tensor(x, dtype=torch.float32)[order] / 16.0
-        y = torch.tensor(y)[order]
-        self.train, self.val = (x[:1500], y[:1500]), (x[1500:], y[1500:])
-
-    def model(self):
-        return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
-                             nn.Linear(256, 10))
-
-    def batch_of(self, gen):
-        i = torch.randint(0, len(self.train[1]), (self.batch,), generator=gen)
-        return self.train[0][i], self.train[1][i]
-
-    def loss(self, model, batch):
-        x, y = batch
-        return nn.functional.cross_entropy(model(x), y)
-
-    @torch.no_grad()
-    def val_loss(self, model):
-        return self.loss(model, self.val).item()
-
-
-class LargeBatch(WordEmbed):
-    # LAMB's lr: word_embed's 3e-3 at a global batch of 128, times sqrt(4096 / 128).
-    lr, batch = 3e-3 * (4096 / 128) ** 0.5, 2048
-
-
-WORKLOADS = {"gpt_text": GptText, "word_embed": WordEmbed, "digits": Digits,
-             "large_batch": LargeBatch, **WIDER}
-STANDARD = ("gpt_text", "word_embed", "digits")
-# --workloads wider: the kinds the three do not cover (issue 44, benchmarks/wider_workloads.py).
-NAMED = {"standard": STANDARD, "wider": tuple(WIDER), "all": STANDARD + tuple(WIDER)}
 
 
 # ----------------------------------------------------------------------------- one run
@@ -527,16 +423,23 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     global STEPS, LR
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seeds", type=int, default=3, help="runs per variant, seeds 0 to N-1")
+    p = argparse.ArgumentParser(
+        description="Accuracy against bytes: Adam, LAMB, 1-bit Adam, 0/1 Adam, 1-bit LAMB (and "
+                    "their warmup_bits variants), fp16 compression and PowerSGD on small "
+                    "workloads, 2 gloo ranks, several seeds (the module docstring says more).")
+    p.add_argument("--seeds", type=int, default=3,
+                   help="runs per variant, seeds 0 to N-1 (default %(default)s)")
     p.add_argument("--steps", type=int, default=STEPS,
                    help="optimizer steps per run (default %(default)s)")
     p.add_argument("--workloads", default=",".join(STANDARD),
-                   help=f"names, or one of {', '.join(NAMED)} (default: the standard three)")
+                   help=f"comma-separated, of: {', '.join(WORKLOADS)}; or one of "
+                        f"{', '.join(NAMED)} (default: the standard three)")
     p.add_argument("--lr", type=float, default=None,
                    help="replaces the workloads' own lr (not the adam_lr* variants'): LAMB at "
                         "another lr on large_batch, say")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated, of: {', '.join(ALL_VARIANTS)} (default: "
+                        f"{', '.join(VARIANTS)})")
     p.add_argument("--out", default=None,
                    help="also write the rows to this JSON file (the run's record goes to "
                         "fidelity.jsonl in benchmarks/results/, or in $ONEBIT_RESULTS_DIR, "
@@ -549,6 +452,12 @@ def main() -> None:
     rows = []
     began = time.perf_counter()
     workloads = NAMED.get(args.workloads) or args.workloads.split(",")
+    # Checked before any run: an unknown variant would otherwise train as plain Adam (the
+    # optimizer's last branch), and an unknown workload fail in the ranks after earlier runs.
+    unknown = [w for w in workloads if w not in WORKLOADS] + \
+        [v for v in args.variants.split(",") if v not in ALL_VARIANTS]
+    if unknown:
+        p.error(f"unknown workload(s) or variant(s) {unknown}: see --help for the names")
     for workload in workloads:
         for seed in range(args.seeds):
             for variant in args.variants.split(","):

@@ -1,0 +1,91 @@
+"""How far Adam's variance moves after a freeze point: what a frozen variance misses.
+
+Plain ``torch.optim.Adam`` in one process on a fidelity workload, each step on the mean loss of
+``--ranks`` batches drawn as that many ranks would draw theirs (the averaged gradient of a data-
+parallel step), for ``--steps`` steps; per tensor, the mean of ``sqrt(v)`` at the last step
+against its mean at ``--freeze`` (what 1-bit Adam's ``"auto"`` freezes at on a 2,000-step run:
+its 20% ceiling) and at 0/1 Adam's phase-A end (step 241 of 2,000), and the median over
+coordinates of the same ratio. A ratio above 1: the gradients grew after the freeze, and a
+frozen denominator makes the steps larger than Adam's (up to the step bound); below 1, smaller.
+No onebit_plugin code runs. Prints a table and appends one record to
+``benchmarks/results/variance_drift.jsonl``.
+
+    .venv/bin/python benchmarks/variance_drift.py --workload char_mlp   # about 40 s on 1 core
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fidelity import WORKLOADS  # noqa: E402
+from record import append_run, shown  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", default="char_mlp", choices=sorted(WORKLOADS))
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--freeze", type=int, default=400)
+    p.add_argument("--phase-a-end", type=int, default=241)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    work = WORKLOADS[args.workload]()
+    torch.manual_seed(args.seed)
+    model = work.model()
+    opt = torch.optim.Adam(model.parameters(), lr=work.lr)
+    scheduler = (torch.optim.lr_scheduler.LambdaLR(opt, lambda t: work.schedule(t, args.steps))
+                 if hasattr(work, "schedule") else None)
+    gens = [torch.Generator().manual_seed(1000 * args.seed + r) for r in range(args.ranks)]
+    marks = {args.phase_a_end, args.freeze, args.steps}
+    roots: dict[int, dict[str, torch.Tensor]] = {}
+    for step in range(1, args.steps + 1):
+        opt.zero_grad()
+        loss = sum(work.loss(model, work.batch_of(g)) for g in gens) / args.ranks
+        loss.backward()
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        if step in marks:
+            roots[step] = {n: opt.state[q]["exp_avg_sq"].sqrt() for n, q in
+                           model.named_parameters() if q in opt.state}
+    rows = []
+    last = roots[args.steps]
+    for name, now in last.items():
+        row = {"tensor": name, "numel": now.numel()}
+        for label, at in (("freeze", args.freeze), ("phase_a_end", args.phase_a_end)):
+            then = roots[at][name]
+            row[f"mean_ratio_{label}"] = float(now.mean() / then.mean())
+            seen = then > 0  # coordinates with no gradient by then have no ratio
+            row[f"median_ratio_{label}"] = (float((now[seen] / then[seen]).median())
+                                            if seen.any() else None)
+        rows.append(row)
+    lines = [f"{args.workload}, Adam, {args.ranks} batches a step, seed {args.seed}: sqrt(v) "
+             f"at step {args.steps} against step {args.freeze} (and {args.phase_a_end})", "",
+             "| tensor | values | mean ratio | median coordinate ratio |", "|---|---|---|---|"]
+    for r in rows:
+        median = (f"{r['median_ratio_freeze']:.2f} ({r['median_ratio_phase_a_end']:.2f})"
+                  if r["median_ratio_freeze"] is not None else "-")
+        lines.append(f"| {r['tensor']} | {r['numel']:,} | {r['mean_ratio_freeze']:.2f} "
+                     f"({r['mean_ratio_phase_a_end']:.2f}) | {median} |")
+    spread = [r["mean_ratio_freeze"] for r in rows]
+    lines.append(f"\nmean ratios {min(spread):.2f}-{max(spread):.2f} "
+                 f"(median over tensors {statistics.median(spread):.2f})")
+    table = "\n".join(lines)
+    print(table)
+    path = append_run("variance_drift", None, {"workload": args.workload, "steps": args.steps,
+                                               "freeze": args.freeze, "seed": args.seed,
+                                               "ranks": args.ranks, "rows": rows,
+                                               "table": table})
+    print(f"appended the run to {shown(path)}")
+
+
+if __name__ == "__main__":
+    main()
