@@ -83,7 +83,14 @@ ZERO_ONE = {"zero_one": {}, "zero_one_local16_early": {"local_step_scaler": 8},
             # Issue 44's ablations: phase A as plain Adam (every step refreshes the variance
             # to the same freeze, 240 of 2,000), and intervals of at most 4.
             "zero_one_adam_phase_a": {"var_freeze_step": 240, "var_update_scaler": 10**6},
-            "zero_one_local4": {"local_step_clipper": 4}}
+            "zero_one_local4": {"local_step_clipper": 4},
+            # A diagnostic (_capped_refreshes): phase A all run, its refresh interval never
+            # past 8 or 16 (a variance that keeps following the gradients; no local steps).
+            # Without the zero-variance mask (rows no refresh saw stay masked with it).
+            "zero_one_nomask": {"mask_zero_variance": False},
+            "zero_one_refresh8": {"var_freeze_step": 100_000},
+            "zero_one_refresh16": {"var_freeze_step": 100_000}}
+REFRESH_CAP = {"zero_one_refresh8": 8, "zero_one_refresh16": 16}
 # 1-bit Adam at fixed freeze steps other than FIXED_FREEZE (0/1 Adam's comparisons).
 ONEBIT_FIXED = {"onebit_fixed240": 240}
 # What the frozen variance costs apart from the compression: the same freeze ("auto"), the
@@ -100,7 +107,8 @@ ADAM_LRS = {"adam_lr1e-3": 1e-3, "adam_lr3e-3": 3e-3, "adam_lr1e-2": 1e-2}
 # warmup_bits (issue 45): a member's full-precision steps in bf16 or int8, "<variant>_w16" and
 # "<variant>_w8" for each of these, compared with the same reference as the variant.
 WARMUP_BITS = {f"{v}_w{bits}": (v, bits) for v in ("onebit_auto", "onebit_fixed", "zero_one",
-                                                    "onebit_lamb") for bits in (16, 8)}
+                                                    "onebit_lamb", *REFRESH_CAP)
+               for bits in (16, 8)}
 ALL_VARIANTS = (VARIANTS + list(ONEBIT_FIXED) + list(ONEBIT_EXACT) + list(ZERO_ONE)
                 + list(LAMB) + list(ADAM_LRS) + list(WARMUP_BITS))
 # The collectives a rank calls, counted by wrapping torch.distributed's functions (DDP's own
@@ -156,6 +164,8 @@ def _optimizer(variant, ddp, lr):
 
         if variant == "zero_one_exact_sync":
             _exact_syncs()
+        if variant in REFRESH_CAP:
+            _capped_refreshes(REFRESH_CAP[variant])
         opt = ZeroOneAdam(ddp.parameters(), lr=lr, total_steps=STEPS,
                           max_skipped_steps=STEPS + 1, warmup_bits=bits, **ZERO_ONE[variant])
         register_onebit_hook(ddp, opt)
@@ -202,6 +212,24 @@ def _exact_syncs() -> None:
     local_steps.LocalSteps.send_ = (
         lambda self, units, comm, groups, fp32_of, corrections:
         send(self, units, Exact(), groups, fp32_of, corrections))
+
+
+def _capped_refreshes(cap: int) -> None:
+    """A diagnostic, not a setting: 0/1 Adam's refresh interval stops doubling at ``cap`` (this
+    rank's process only; every rank patches the same), so that with phase A all run the
+    variance keeps following the gradients at one refresh every ``cap`` steps. Reaches into
+    ``onebit_plugin.settings.schedule`` on purpose."""
+    from onebit_plugin.settings import schedule
+
+    def refreshes_variance(t: int, scaler: int) -> bool:
+        interval, last = 1, 0
+        while True:
+            end = (last // interval + scaler) * interval
+            if t <= end or interval >= cap:
+                return t % interval == 0
+            last, interval = end, interval * 2
+
+    schedule.refreshes_variance = refreshes_variance
 
 
 def _mean_allreduce(_, bucket):
