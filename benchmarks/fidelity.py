@@ -84,10 +84,10 @@ ZERO_ONE = {"zero_one": {}, "zero_one_local16_early": {"local_step_scaler": 8},
             # to the same freeze, 240 of 2,000), and intervals of at most 4.
             "zero_one_adam_phase_a": {"var_freeze_step": 240, "var_update_scaler": 10**6},
             "zero_one_local4": {"local_step_clipper": 4},
-            # A diagnostic (_capped_refreshes): phase A all run, its refresh interval never
-            # past 8 or 16 (a variance that keeps following the gradients; no local steps).
             # Without the zero-variance mask (rows no refresh saw stay masked with it).
             "zero_one_nomask": {"mask_zero_variance": False},
+            # A diagnostic (_capped_refreshes): phase A all run, its refresh interval never
+            # past 8 or 16 (a variance that keeps following the gradients; no local steps).
             "zero_one_refresh8": {"var_freeze_step": 100_000},
             "zero_one_refresh16": {"var_freeze_step": 100_000}}
 REFRESH_CAP = {"zero_one_refresh8": 8, "zero_one_refresh16": 16}
@@ -221,13 +221,11 @@ def _capped_refreshes(cap: int) -> None:
     ``onebit_plugin.settings.schedule`` on purpose."""
     from onebit_plugin.settings import schedule
 
+    original = schedule.refreshes_variance
+
     def refreshes_variance(t: int, scaler: int) -> bool:
-        interval, last = 1, 0
-        while True:
-            end = (last // interval + scaler) * interval
-            if t <= end or interval >= cap:
-                return t % interval == 0
-            last, interval = end, interval * 2
+        phase_a = schedule.ZeroOneSchedule(10**9, scaler, 1, 1)  # its interval at t, phase A
+        return original(t, scaler) if phase_a.interval(t) <= cap else t % cap == 0
 
     schedule.refreshes_variance = refreshes_variance
 

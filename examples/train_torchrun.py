@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import signal
@@ -26,6 +25,7 @@ from onebit_plugin import OneBitAdam, ZeroOneAdam, check_lockstep
 
 try:
     from charlm import CharGPT, evaluate, freeze_step_arg, load_corpus, loss_fn, sample_batch
+    from teardown import leave_process_group
 except ImportError:  # imported as examples.train_torchrun
     from examples.charlm import (
         CharGPT,
@@ -35,6 +35,7 @@ except ImportError:  # imported as examples.train_torchrun
         loss_fn,
         sample_batch,
     )
+    from examples.teardown import leave_process_group
 
 
 def parse_args(argv=None):
@@ -233,10 +234,7 @@ def main(argv=None) -> dict:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)
     if owns_group:
-        # gloo now and then aborts a finished job after its last line unless pending garbage
-        # is collected first (plain torch too: docs/limits.md).
-        gc.collect()
-        dist.destroy_process_group()
+        leave_process_group()  # gloo's exit race: teardown.py
     return summary
 
 
