@@ -93,6 +93,10 @@ ZERO_ONE = {"zero_one": {}, "zero_one_local16_early": {"local_step_scaler": 8},
 REFRESH_CAP = {"zero_one_refresh8": 8, "zero_one_refresh16": 16}
 # 1-bit Adam at fixed freeze steps other than FIXED_FREEZE (0/1 Adam's comparisons).
 ONEBIT_FIXED = {"onebit_fixed240": 240}
+# 1-bit Adam whose variance follows the gradients after the freeze (refresh_interval, issue 44):
+# (freeze_step, refresh_interval).
+ONEBIT_REFRESH = {"onebit_auto_refresh16": ("auto", 16), "onebit_auto_refresh32": ("auto", 32),
+                  "onebit_fixed240_refresh16": (240, 16), "onebit_fixed240_refresh32": (240, 32)}
 # What the frozen variance costs apart from the compression: the same freeze ("auto"), the
 # momentum averaged exactly (compress_momentum=False).
 ONEBIT_EXACT = ("onebit_auto_exact",)
@@ -107,10 +111,11 @@ ADAM_LRS = {"adam_lr1e-3": 1e-3, "adam_lr3e-3": 3e-3, "adam_lr1e-2": 1e-2}
 # warmup_bits (issue 45): a member's full-precision steps in bf16 or int8, "<variant>_w16" and
 # "<variant>_w8" for each of these, compared with the same reference as the variant.
 WARMUP_BITS = {f"{v}_w{bits}": (v, bits) for v in ("onebit_auto", "onebit_fixed", "zero_one",
-                                                    "onebit_lamb", *REFRESH_CAP)
+                                                    "onebit_lamb", *REFRESH_CAP,
+                                                    *ONEBIT_REFRESH)
                for bits in (16, 8)}
-ALL_VARIANTS = (VARIANTS + list(ONEBIT_FIXED) + list(ONEBIT_EXACT) + list(ZERO_ONE)
-                + list(LAMB) + list(ADAM_LRS) + list(WARMUP_BITS))
+ALL_VARIANTS = (VARIANTS + list(ONEBIT_FIXED) + list(ONEBIT_REFRESH) + list(ONEBIT_EXACT)
+                + list(ZERO_ONE) + list(LAMB) + list(ADAM_LRS) + list(WARMUP_BITS))
 # The collectives a rank calls, counted by wrapping torch.distributed's functions (DDP's own
 # C++ allreduce is not one of them: the plain-Adam variants average through an equal Python
 # hook so that theirs are counted too). "Rounds": calls per optimizer step.
@@ -171,11 +176,11 @@ def _optimizer(variant, ddp, lr):
         register_onebit_hook(ddp, opt)
         return opt
     if variant.startswith("onebit"):
+        freeze, refresh = ONEBIT_REFRESH.get(variant, (ONEBIT_FIXED.get(variant, "auto"), None))
         # Skipped steps (inf/NaN gradients) are counted and reported, not fatal.
         opt = OneBitAdam(ddp.parameters(), lr=lr, total_steps=STEPS, max_skipped_steps=STEPS + 1,
-                         warmup_bits=bits,
-                         freeze_step=FIXED_FREEZE if variant == "onebit_fixed" else
-                         ONEBIT_FIXED.get(variant, "auto"),
+                         warmup_bits=bits, refresh_interval=refresh,
+                         freeze_step=FIXED_FREEZE if variant == "onebit_fixed" else freeze,
                          bound_update=variant != "onebit_auto_unbounded",
                          compress_momentum=variant not in ONEBIT_EXACT,
                          master_weights=variant.endswith("_master"),

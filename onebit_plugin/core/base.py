@@ -397,7 +397,7 @@ class OneBitOptimizer(Optimizer):
             return None
         how = self.policy.exchange.describe(self.world_size)
         return (f"onebit: Adam variance frozen after step {self.switch_step}; momentum is {how} "
-                f"from step {self.switch_step + 1} on")
+                f"from step {self.switch_step + 1} on{self.policy.after_freeze(self.config)}")
 
     def _fp32_of(self, p: torch.Tensor) -> torch.Tensor:
         """``p``'s fp32 values: its master copy, itself, or an fp32 copy."""

@@ -69,6 +69,13 @@ class OneBitAdam(OneBitOptimizer):
             away (an embedding-heavy model diverged to NaN without it). It also slows
             coordinates whose true step is inside the bound: short runs frozen early lost 2-5%
             of loss (docs/design.md, "Bounded steps"). False is the ablation.
+        refresh_interval: None (default): the variance stays frozen after the warm-up. ``N``:
+            every compression-stage step ``t`` with ``t % N == 0`` refreshes it instead of
+            sending 1-bit momentum: the gradients are averaged in ``warmup_bits`` bits (as in
+            the warm-up, with the DDP hook or without), the momentum and the variance take
+            them (the variance weighing them as the ``N`` steps they stand for) and the
+            denominator follows. Costs ``exp_avg_sq`` kept (4 bytes per value) and a warm-up
+            step's bytes every ``N`` steps (docs/usage.md, "A variance that follows").
         comm_timeout: seconds any of OneBitAdam's collectives may take before ``step()`` raises
             ``CommunicationError``. Default: the process group's timeout.
         bucket_cap_mb: fp32 megabytes per momentum unit (the parameters are cut into units in
@@ -105,5 +112,6 @@ class OneBitAdam(OneBitOptimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         decoupled_weight_decay=decoupled_weight_decay)
         exchange = OneBitMomentum() if config.compress_momentum else ExactMomentum()
-        super().__init__(params, defaults, config, AdamPolicy(exchange), masks=masks,
+        super().__init__(params, defaults, config,
+                         AdamPolicy(exchange, config.refresh_interval), masks=masks,
                          process_group=process_group)

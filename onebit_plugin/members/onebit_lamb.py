@@ -154,7 +154,9 @@ class OneBitLamb(OneBitOptimizer):
         _check_lamb(max_coeff, min_coeff, coeff_beta, factor_max, factor_min, factor_threshold)
         config = member_config(type(self), freeze_step, options, refused={
             "decoupled_weight_decay": "1-bit LAMB's weight decay is always LAMB's, added to "
-                                      "the update inside the trust ratio"})
+                                      "the update inside the trust ratio",
+            "refresh_interval": "1-bit LAMB's frozen variance has no refreshes (its fresh "
+                                "variance for the trust ratio costs no exchange)"})
         # decoupled_weight_decay: the fold of a local gradient into the momentum leaves the
         # decay out; LAMB adds it to the update itself.
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,

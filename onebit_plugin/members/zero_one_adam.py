@@ -43,7 +43,6 @@ from onebit_plugin.settings.schedule import (
     refreshes_until,
 )
 from onebit_plugin.settings.step_kinds import EXACT, LOCAL, SYNC
-from onebit_plugin.wire.deferred import as_fp32
 
 __all__ = ["ZeroOneAdam", "ZeroOnePolicy"]
 
@@ -148,29 +147,6 @@ class ZeroOnePolicy(AdamPolicy):
                 "local_step_clipper": self.local_step_clipper,
                 "total_steps (0/1 Adam)": total_steps or 0}
 
-    def refresh_moments_(self, group, params, grads, states, exp_avgs) -> None:
-        beta1, beta2 = group["betas"]
-        g = [as_fp32(x) for x in grads]
-        if group["weight_decay"] != 0 and not group["decoupled_weight_decay"]:
-            g = torch._foreach_add(g, [as_fp32(p) for p in params], alpha=group["weight_decay"])
-        torch._foreach_lerp_(exp_avgs, g, 1 - beta1)
-        # A refresh stands for every step since the previous one, as if each of them had
-        # brought this gradient: v <- b2**gap * v + (1 - b2**gap) * g*g, and the bias
-        # correction's count (frozen_step) advances by the gap, to this step. Counted one step
-        # each (the paper's, DeepSpeed's), the 16 refreshes of steps 1-16 held 24% of the
-        # variance's weight at step 240 (var_update_scaler=16), against 6% in Adam's.
-        by_gap: dict[float, tuple[list, list]] = {}
-        for s, x in zip(states, g, strict=True):
-            gap = max(float(s["step"]) + 1.0 - s["frozen_step"], 1.0)
-            s["frozen_step"] += gap
-            by_gap.setdefault(gap, ([], []))
-            by_gap[gap][0].append(s["exp_avg_sq"])
-            by_gap[gap][1].append(x)
-        for gap, (variances, xs) in by_gap.items():
-            keep = beta2 ** gap
-            torch._foreach_mul_(variances, keep)
-            torch._foreach_addcmul_(variances, xs, xs, value=1 - keep)
-
 
 class ZeroOneAdam(OneBitOptimizer):
     """0/1 Adam as a ``torch.optim.Optimizer``, with DeepSpeed's ``ZeroOneAdam`` argument
@@ -229,6 +205,8 @@ class ZeroOneAdam(OneBitOptimizer):
             type(self), exact_steps(var_freeze_step, var_update_scaler), options,
             refused={"freeze_step": "that is 1-bit Adam's warm-up; 0/1 Adam's variance is "
                                     "refreshed to var_freeze_step instead (default 'auto')",
+                     "refresh_interval": "0/1 Adam refreshes its variance on its own schedule "
+                                         "(var_update_scaler, var_freeze_step)",
                      "compress_momentum": "0/1 Adam's syncs and phase-A steps are its 1-bit "
                                           "exchange (OneBitAdam(compress_momentum=False) is "
                                           "the exact ablation)"})

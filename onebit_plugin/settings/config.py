@@ -55,6 +55,8 @@ _RULES = {
                     f"one of {ERROR_DTYPES}"),
     "warmup_bits": (lambda v: _is_int(v, 8) and v in WARMUP_BITS,
                     f"one of {WARMUP_BITS}", f"one of {WARMUP_BITS}"),
+    "refresh_interval": (lambda v: v is None or _is_int(v, 1), "an int >= 1 or None",
+                         ">= 1"),
     "comm_timeout": (lambda v: v is None or v > 0, "> 0 seconds", "> 0 seconds"),
     "max_skipped_steps": (lambda v: _is_int(v, 1), "an int >= 1", ">= 1"),
     "bucket_cap_mb": (lambda v: v is None or v > 0, "> 0", "> 0"),
@@ -98,6 +100,7 @@ class OneBitConfig:
     master_weights: bool = False
     error_dtype: str = "float32"
     warmup_bits: int = 32
+    refresh_interval: int | None = None
 
     def __post_init__(self) -> None:
         if self.freeze_step is None:
@@ -124,7 +127,8 @@ class OneBitConfig:
                 "bound_update": int(self.bound_update),
                 "master_weights": int(self.master_weights),
                 "error_dtype": ERROR_DTYPES.index(self.error_dtype),
-                "warmup_bits": self.warmup_bits}
+                "warmup_bits": self.warmup_bits,
+                "refresh_interval": self.refresh_interval or 0}
 
     def replace(self, **changes) -> OneBitConfig:
         """A copy with ``changes``, checked again."""
@@ -195,13 +199,14 @@ VARIABLES = ("ONEBIT_ADAM", "ONEBIT_OPTIMIZER", "ONEBIT_FREEZE_STEP", "ONEBIT_VA
              "ONEBIT_LOCAL_STEP_SCALER", "ONEBIT_TOTAL_STEPS", "ONEBIT_MAX_BLOCK",
              "ONEBIT_SCALE", "ONEBIT_OVERLAP", "ONEBIT_TIMEOUT", "ONEBIT_BOUND_UPDATE",
              "ONEBIT_MASTER_WEIGHTS", "ONEBIT_ERROR_DTYPE", "ONEBIT_WARMUP_BITS",
-             "ONEBIT_CPU_KERNEL")
+             "ONEBIT_REFRESH_INTERVAL", "ONEBIT_CPU_KERNEL")
 # The variable of each config field it sets: a ValueError about the field names the variable.
 _FIELD_VARIABLES = {"freeze_step": "ONEBIT_FREEZE_STEP", "total_steps": "ONEBIT_TOTAL_STEPS",
                     "max_block": "ONEBIT_MAX_BLOCK", "scale": "ONEBIT_SCALE",
                     "comm_timeout": "ONEBIT_TIMEOUT", "bound_update": "ONEBIT_BOUND_UPDATE",
                     "master_weights": "ONEBIT_MASTER_WEIGHTS",
-                    "error_dtype": "ONEBIT_ERROR_DTYPE", "warmup_bits": "ONEBIT_WARMUP_BITS"}
+                    "error_dtype": "ONEBIT_ERROR_DTYPE", "warmup_bits": "ONEBIT_WARMUP_BITS",
+                    "refresh_interval": "ONEBIT_REFRESH_INTERVAL"}
 
 
 def _env_int(name: str) -> int | None:
@@ -254,6 +259,7 @@ class EnvSettings:
     master_weights: bool = False
     error_dtype: str = "float32"
     warmup_bits: int = 32
+    refresh_interval: int | None = None
     optimizer: str = "onebit_adam"
     var_freeze_step: int | str = "auto"
     local_step_scaler: int | str = "auto"
@@ -266,7 +272,8 @@ class EnvSettings:
         Adam's are its schedule and the family's options; its exact stage is its own)."""
         options = self.config.replace(total_steps=total_steps).options()
         if self.optimizer == "zero_one_adam":
-            del options["freeze_step"], options["compress_momentum"]
+            del options["freeze_step"], options["compress_momentum"], \
+                options["refresh_interval"]
             options.update(var_freeze_step=self.var_freeze_step,
                            local_step_scaler=self.local_step_scaler)
         return options
@@ -277,7 +284,8 @@ class EnvSettings:
                             max_block=self.max_block, scale=self.scale,
                             comm_timeout=self.timeout, bound_update=self.bound_update,
                             master_weights=self.master_weights, error_dtype=self.error_dtype,
-                            warmup_bits=self.warmup_bits)
+                            warmup_bits=self.warmup_bits,
+                            refresh_interval=self.refresh_interval)
 
     @classmethod
     def from_env(cls) -> EnvSettings | None:
@@ -330,7 +338,13 @@ def settings_from_env() -> EnvSettings | None:
         master_weights=flag("ONEBIT_MASTER_WEIGHTS", "0"),
         error_dtype=os.environ.get("ONEBIT_ERROR_DTYPE", "").strip() or "float32",
         warmup_bits=32 if (bits := _env_int("ONEBIT_WARMUP_BITS")) is None else bits,
+        refresh_interval=_env_int("ONEBIT_REFRESH_INTERVAL"),
     )
+    if fields["refresh_interval"] is not None and member != "onebit_adam":
+        raise ValueError(
+            f"ONEBIT_REFRESH_INTERVAL is 1-bit Adam's (ONEBIT_OPTIMIZER=onebit_adam): "
+            f"{member} refreshes no frozen variance that way (0/1 Adam's refreshes follow "
+            "its own schedule, ONEBIT_VAR_FREEZE_STEP); unset it")
     overlap = flag("ONEBIT_OVERLAP", "1")
     flag("ONEBIT_CPU_KERNEL", "1")  # read when the CPU kernel is first used; checked here
     check_settings(fields, _FIELD_VARIABLES)  # the same check, naming the variables
