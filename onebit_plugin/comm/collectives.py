@@ -27,6 +27,7 @@ __all__ = [
     "group_size_and_rank",
     "group_timeout",
     "new_group",
+    "new_group_of",
     "resolve_device",
     "uses_nccl",
     "wait_collectives",
@@ -177,6 +178,20 @@ def new_group(group: dist.ProcessGroup | None, timeout: timedelta | None,
     # this, each subgroup's when its optimizer first needs it. Without local synchronization
     # every process of the world must call new_group, in the same order, and wait for all.
     return dist.new_group(ranks=ranks, timeout=timeout, use_local_synchronization=True, **eager)
+
+
+def new_group_of(ranks: list[int], group: dist.ProcessGroup | None,
+                 timeout: timedelta | None, device: torch.device | None = None
+                 ) -> dist.ProcessGroup:
+    """A group of the world's ``ranks`` on ``group``'s backend, with ``timeout``, made by its
+    members only (a topology's host and cross-host groups: each rank makes the two it is in)."""
+    backend = dist.get_backend(group)
+    if timeout is not None:
+        timeout = group_timeout(timeout, backend)
+    eager = {"device_id": device} if uses_nccl(backend) and device is not None and \
+        device.type == "cuda" else {}
+    return dist.new_group(ranks=ranks, timeout=timeout, backend=backend,
+                          use_local_synchronization=True, **eager)
 
 
 def resolve_device(device) -> torch.device:

@@ -1,27 +1,45 @@
 """Which ranks exchange with which, and over which process groups: the optimizer's collectives
 take their group from its topology object and from nowhere else.
 
-:class:`FlatTopology` is today's only one: every rank of one group (the world, or the
-data-parallel group given as ``process_group``) in one flat exchange, over a group of the
-optimizer's own once ``comm_timeout`` or the DDP hook asks for one (``new_group``). A topology
-of two levels (a host group, a cross-host group per local rank) is one more class with the same
-methods (docs/family.md, "A topology").
+* :class:`FlatTopology`: every rank of one group (the world, or the data-parallel group given as
+  ``process_group``) in one flat exchange, over a group of the optimizer's own once
+  ``comm_timeout`` or the DDP hook asks for one (``new_group``).
+* :class:`HierarchicalTopology`: hosts of ``local_world_size`` ranks each, ranks numbered host
+  by host (as torchrun numbers them). The momentum is averaged exactly inside each host and
+  through the communicator across hosts, each local rank on its own ``1/L`` of every tensor, among
+  the ranks of the same local rank (``onebit_plugin.comm.hierarchical``); the full-precision
+  steps likewise. Every host's link carries its share once instead of once per rank.
+
+:func:`make_topology` reads ``topology="auto" | "flat" | "hierarchical"``; ``"auto"`` is
+hierarchical where there is more than one host and more than one rank per host, which it reads
+from ``local_world_size`` or torchrun's ``LOCAL_WORLD_SIZE`` (without either it stays flat, as
+before the option). The choice is settled at the first use (the process group exists by then),
+said once on rank 0 when it is hierarchical or when a layout given does not fit (``"auto"``
+then exchanges flat; ``"hierarchical"`` raises), and agreed between ranks by the first step's
+check (:meth:`agreement`).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from onebit_plugin.comm.collectives import group_size_and_rank, new_group
+from onebit_plugin.comm.collectives import group_size_and_rank, new_group, new_group_of
+from onebit_plugin.settings.config import TOPOLOGIES
 
-__all__ = ["FlatTopology"]
+__all__ = ["TOPOLOGIES", "FlatTopology", "HierarchicalTopology", "make_topology"]
+
+log = logging.getLogger("onebit_plugin")
 
 
 class FlatTopology:
     """Every rank of ``process_group`` (None: the world, when initialised) in one exchange."""
+
+    kind = "flat"
 
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
         self.process_group = process_group
@@ -55,6 +73,151 @@ class FlatTopology:
             self._ready = True
         return self._group
 
+    def levels(self, timeout, device) -> None:
+        """The two levels' groups (:class:`HierarchicalTopology`); None: one level."""
+        return None
+
+    def communicator(self, exchange, timeout, device, **options):
+        """The momentum's communicator: ``exchange``'s (``policy.Exchange``) over the group."""
+        return exchange.communicator(self.comm_group(timeout, device), self.world_size,
+                                     timeout=timeout, **options)
+
+    def describe(self) -> str:
+        """The layout, as checkpoints record it: error buffers of another do not fit."""
+        return "flat"
+
+    def agreement(self) -> dict[str, int]:
+        """What every rank must agree on (``rank_checks``)."""
+        return {"topology (1 flat, 2 hierarchical)": 1, "local_world_size": 0}
+
     def __getstate__(self) -> dict:
         # Process groups do not pickle: an unpickled optimizer runs on the default group.
-        return {"process_group": None, "_group": None, "_ready": False}
+        return {**self.__dict__, "process_group": None, "_group": None, "_ready": False}
+
+
+class HierarchicalTopology(FlatTopology):
+    """Hosts of ``local_world_size`` ranks, numbered host by host; ``"auto"``
+    (``wanted="auto"``) falls back to one level, said once, where the layout has one host or
+    one rank per host, or ``local_world_size`` is not known.
+
+    Groups (made at the first use, by every rank for the two groups it is in, each with the
+    optimizer's timeout): its host's ranks, and the ranks of its local rank on every host."""
+
+    kind = "hierarchical"
+
+    def __init__(self, process_group, local_world_size: int | None, wanted: str) -> None:
+        super().__init__(process_group)
+        self.wanted, self.asked_local = wanted, local_world_size
+        self._layout: tuple[int, int] | None = None  # (L, hosts); (0, 0): one level
+        self._levels = None
+
+    def layout(self) -> tuple[int, int]:
+        """``(local_world_size, hosts)`` settled, ``(0, 0)`` where the exchange is flat."""
+        if self._layout is None:
+            self._layout = self._settle()
+        return self._layout
+
+    def _settle(self) -> tuple[int, int]:
+        world, rank = self.world_size, self.rank
+        local = self.asked_local
+        where = "local_world_size"
+        if local is None and os.environ.get("LOCAL_WORLD_SIZE", "").strip():
+            where = "LOCAL_WORLD_SIZE"
+            try:
+                local = int(os.environ["LOCAL_WORLD_SIZE"])
+            except ValueError:
+                raise ValueError(f"LOCAL_WORLD_SIZE must be an integer, got "
+                                 f"{os.environ['LOCAL_WORLD_SIZE']!r}") from None
+        problem = None
+        if world <= 1:
+            return 0, 0
+        if local is None:
+            problem = ("the ranks per host are not known: pass local_world_size= (torchrun "
+                       "sets LOCAL_WORLD_SIZE)")
+        elif local < 1 or world % local:
+            problem = (f"{where}={local} does not divide the {world} ranks into hosts of one "
+                       "size")
+        elif self.process_group is not None and \
+                dist.get_process_group_ranks(self.process_group) != list(range(world)):
+            problem = ("the optimizer averages over a process group that is not the world: "
+                       "which of its ranks share a host is not known")
+        elif os.environ.get("GROUP_RANK", "").strip() and \
+                os.environ.get("LOCAL_RANK", "").strip() and \
+                rank != int(os.environ["GROUP_RANK"]) * local + int(os.environ["LOCAL_RANK"]):
+            problem = (f"rank {rank} is not host-major (GROUP_RANK {os.environ['GROUP_RANK']}, "
+                       f"LOCAL_RANK {os.environ['LOCAL_RANK']}, {local} ranks per host)")
+        if problem is None and (local == 1 or local == world):
+            if self.wanted == "hierarchical":
+                problem = (f"{world // local} host(s) of {local} rank(s): hierarchical needs "
+                           "more than one host and more than one rank per host")
+            else:
+                return 0, 0  # auto: one level has nothing to gain, and costs nothing
+        if local is None and self.wanted == "auto":
+            # Nothing says where the hosts are (no torchrun): flat, as before the option;
+            # docs/usage.md says to give local_world_size= there.
+            log.debug("onebit: topology='auto' without local_world_size: flat")
+            return 0, 0
+        if problem is not None:
+            if self.wanted == "hierarchical":
+                raise ValueError(f"topology='hierarchical': {problem}; or topology='flat'")
+            if rank == 0:
+                log.warning("onebit: topology='auto' exchanges flat (every rank across the "
+                            "network): %s. topology='flat' says so and silences this", problem)
+            return 0, 0
+        if rank == 0:
+            log.info("onebit: topology %s: %d hosts of %d ranks, the momentum averaged "
+                     "exactly inside each host and across hosts by local rank",
+                     self.wanted, world // local, local)
+        return local, world // local
+
+    @property
+    def hierarchical(self) -> bool:
+        return self.layout()[0] > 1
+
+    def levels(self, timeout, device):
+        """``(host_group, cross_group, local_world_size, hosts)``, the groups made at the first
+        call, by every rank; None where the exchange is flat."""
+        local, hosts = self.layout()
+        if not local:
+            return None
+        if self._levels is None:
+            rank = self.rank
+            host = rank // local
+            group = self.comm_group(timeout, device)
+            host_group = new_group_of(list(range(host * local, (host + 1) * local)), group,
+                                      timeout, device)
+            cross_group = new_group_of(list(range(rank % local, self.world_size, local)),
+                                       group, timeout, device)
+            self._levels = (host_group, cross_group, local, hosts)
+        return self._levels
+
+    def communicator(self, exchange, timeout, device, **options):
+        levels = self.levels(timeout, device)
+        if levels is None:
+            return super().communicator(exchange, timeout, device, **options)
+        from onebit_plugin.comm.hierarchical import HierarchicalAllreduce
+
+        host_group, cross_group, local, hosts = levels
+        inner = exchange.communicator(cross_group, hosts, timeout=timeout, **options)
+        return HierarchicalAllreduce(inner, self.comm_group(timeout, device), host_group,
+                                     local, timeout=timeout)
+
+    def describe(self) -> str:
+        local, hosts = self.layout()
+        return f"hierarchical {hosts}x{local}" if local else "flat"
+
+    def agreement(self) -> dict[str, int]:
+        local = self.layout()[0]
+        return {"topology (1 flat, 2 hierarchical)": 2 if local else 1,
+                "local_world_size": local}
+
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "_levels": None}
+
+
+def make_topology(process_group, topology: str = "auto", local_world_size: int | None = None
+                  ) -> FlatTopology:
+    """The topology object of ``topology`` (``TOPOLOGIES``) over ``process_group``."""
+    if topology == "flat":
+        return FlatTopology(process_group)
+    return HierarchicalTopology(process_group, local_world_size, topology)

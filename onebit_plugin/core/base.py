@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 
 from onebit_plugin.comm.allreduce import ExactAllreduce, OneBitAllreduce
 from onebit_plugin.comm.byte_counts import ByteCounts
-from onebit_plugin.comm.topology import FlatTopology
+from onebit_plugin.comm.topology import make_topology
 from onebit_plugin.core import checkpoint, compression_stage, rank_checks
 from onebit_plugin.core.checkpoint import Resumed
 from onebit_plugin.core.clipping import check_clip_args, value_clipping_error
@@ -77,7 +77,7 @@ class OneBitOptimizer(Optimizer):
                  masks: dict | None = None, process_group: dist.ProcessGroup | None = None):
         super().__init__(params, defaults)
         self.config, self.policy = config, policy
-        self.topology = FlatTopology(process_group)  # every collective's group
+        self.topology = make_topology(process_group, config.topology, config.local_world_size)
         self.auto_freeze = AutoFreeze(config.total_steps, policy.auto_ceiling) \
             if config.freeze_step == "auto" else None
         self._masks = {}
@@ -179,9 +179,9 @@ class OneBitOptimizer(Optimizer):
         """The compression stage's communicator, the policy's exchange (on the DDP hook's own
         process group once the hook is registered)."""
         if self.counts.comm is None:
-            self.counts.attach(self.policy.exchange.communicator(
-                self.comm_group, self.world_size, max_block=self.config.max_block,
-                scale=self.config.scale, timeout=self.comm_timeout,
+            self.counts.attach(self.topology.communicator(
+                self.policy.exchange, self.comm_timeout, self._device(),
+                max_block=self.config.max_block, scale=self.config.scale,
                 error_dtype=self.config.error_dtype))
         return self.counts.comm
 

@@ -45,7 +45,7 @@ def onebit_state(opt) -> dict:
             "clipping": opt.handoff.sketch is not None, "units": units,
             "local_steps": opt.policy.rank_state(opt), "syncs": opt.syncs,
             "variance_clock": "steps", "sent": opt.policy.exchange.sent,
-            "warmup_bits": opt.config.warmup_bits}
+            "warmup_bits": opt.config.warmup_bits, "topology": opt.topology.describe()}
 
 
 def load_state(opt, state_dict: dict, torch_load) -> None:
@@ -92,6 +92,9 @@ def load_onebit_state(opt, onebit: dict) -> None:
     saved_world = onebit["world_size"]
     if onebit["switch_step"] is not None and saved_world != opt.world_size:
         onebit = _restart_error_feedback(opt, onebit, saved_world)
+    elif onebit["switch_step"] is not None and onebit["units"] is not None and \
+            onebit.get("topology", "flat") != opt.topology.describe():
+        onebit = _restart_for_topology(opt, onebit)
     if onebit["freeze_step"] != opt.freeze_step:
         log.warning(
             "onebit: the checkpoint has freeze_step=%s, this optimizer %s: %s",
@@ -165,6 +168,21 @@ def _restart_error_feedback(opt, onebit: dict, saved_world: int) -> dict:
             "carry on. The run goes on from there, not bit for bit as the uninterrupted one; "
             "what that cost (benchmarks/elastic_resume.py) is in docs/limits.md, \"Another "
             "world size\"", onebit["switch_step"], saved_world, opt.world_size)
+    return dict(onebit, units=None)
+
+
+def _restart_for_topology(opt, onebit: dict) -> dict:
+    """``onebit`` without its error buffers, said once (rank 0): a compression-stage state
+    saved under another topology (``onebit_plugin.comm.topology``), whose errors are laid out
+    over other slices and groups (hierarchical: each rank's over its 1/L of every unit)."""
+    if opt.topology.rank == 0:
+        log.warning(
+            "onebit: resuming a compressed stage saved with topology %s under topology %s: "
+            "the error buffers are laid out by topology and do not map onto another, so the "
+            "error feedback restarts from zero; the momentum, variance and step carry on. The "
+            "run goes on from there, not bit for bit as the uninterrupted one (as after a "
+            "change of world size, docs/limits.md, \"Another world size\")",
+            onebit.get("topology", "flat"), opt.topology.describe())
     return dict(onebit, units=None)
 
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from onebit_plugin.comm.byte_counts import ring_bytes
 from onebit_plugin.comm.collectives import comm_executor, wait_collectives
+from onebit_plugin.comm.hierarchical import two_level_mean_
 from onebit_plugin.comm.quantized import QuantizedAverage
 from onebit_plugin.core import rank_checks
 from onebit_plugin.core.exchanges import StepExchange
@@ -53,15 +54,15 @@ QUANT_BLOCK = 512
 
 
 def average_gradients(params: list[torch.Tensor], flat: torch.Tensor | None, group,
-                      timeout, world: int, quantized: QuantizedAverage | None = None
-                      ) -> tuple[torch.Tensor, int]:
+                      timeout, world: int, quantized: QuantizedAverage | None = None,
+                      levels=None) -> tuple[torch.Tensor, int]:
     """Replace each ``p.grad`` of ``params`` by its mean over the ranks (zeros where a rank has
     none), with a has-gradient flag per parameter so that all ranks agree on which params step.
     ``flat``: the buffer of the last call, reused when it fits. ``quantized``: the values go
-    through it (``warmup_bits`` 16 or 8), the flags still in fp32. Returns the buffer and the
-    bytes this rank sent."""
-    if quantized is not None:
-        return _average_quantized(params, flat, group, timeout, world, quantized)
+    through it (``warmup_bits`` 16 or 8), the flags still in fp32. ``levels``: a hierarchical
+    topology's (``two_level_mean_``). Returns the buffer and the bytes this rank sent."""
+    if quantized is not None or levels is not None:
+        return _average_quantized(params, flat, group, timeout, world, quantized, levels)
     sizes = [p.numel() for p in params]
     total, head = sum(sizes), len(params)
     device = params[0].device
@@ -100,10 +101,11 @@ def average_gradients(params: list[torch.Tensor], flat: torch.Tensor | None, gro
 
 
 def _average_quantized(params, flat, group, timeout, world: int,
-                       quantized: QuantizedAverage) -> tuple[torch.Tensor, int]:
-    """:func:`average_gradients` through ``quantized``: the flags in a small fp32 allreduce
-    (exact: which parameters step must not be rounded), started first and waited on after the
-    values' two phases; the values' mean straight from the quantized average."""
+                       quantized: QuantizedAverage | None, levels) -> tuple[torch.Tensor, int]:
+    """:func:`average_gradients` through ``quantized`` and/or over a hierarchical topology's
+    ``levels``: the flags in a small fp32 allreduce (exact: which parameters step must not be
+    rounded), started first and waited on after the values' average; the values' mean straight
+    from it."""
     sizes = [p.numel() for p in params]
     total, head = sum(sizes), len(params)
     device = params[0].device
@@ -114,7 +116,10 @@ def _average_quantized(params, flat, group, timeout, world: int,
     views = flat[head:].split(sizes)
     for p, view in zip(params, views, strict=True):
         view.copy_(p.grad.reshape(-1)) if p.grad is not None else view.zero_()
-    sent = quantized.average_(flat[head:], group, world, timeout)
+    if levels is not None:
+        sent = two_level_mean_(flat[head:], levels, timeout, quantized)[0]
+    else:
+        sent = quantized.average_(flat[head:], group, world, timeout)
     wait_collectives([flags], timeout, "the warm-up's gradient flags allreduce", group)
     sent += ring_bytes(4 * head, world)
     present = flat[:head].tolist() if any(p.grad is None for p in params) else [1.0] * head
@@ -167,8 +172,9 @@ class GradientAverage(StepExchange):
         opt.handoff.note_reduced(bucket.parameters())  # step() refuses gradients no bucket averaged
         buffer = bucket.buffer()
         quantized = self.quantizer(opt)
-        if quantized is not None:
-            return _quantized_bucket(opt, hook, buffer, quantized)
+        levels = opt.topology.levels(opt.comm_timeout, opt._device())
+        if quantized is not None or levels is not None:
+            return _quantized_bucket(opt, hook, buffer, quantized, levels)
         # DDP's default reduction, bits included: multiply by 1/W, then sum. Its reducer
         # multiplies each gradient by double(1) / W as it copies it into the bucket; dividing
         # by W instead rounds differently for a W that is not a power of two (at 3 ranks about
@@ -185,9 +191,9 @@ class GradientAverage(StepExchange):
         if not opt.config.average_grads or opt.world_size == 1 or handoff.grads_averaged:
             return
         params = opt.trainable()
-        self.flat, sent = average_gradients(params, self.flat, opt.comm_group,
-                                            opt.comm_timeout, opt.world_size,
-                                            self.quantizer(opt))
+        self.flat, sent = average_gradients(
+            params, self.flat, opt.comm_group, opt.comm_timeout, opt.world_size,
+            self.quantizer(opt), opt.topology.levels(opt.comm_timeout, opt._device()))
         opt.counts.add_exact(sent, ring_bytes(4 * sum(p.numel() for p in params),
                                               opt.world_size))
         handoff.grads_averaged = True
@@ -217,17 +223,21 @@ class GradientAverage(StepExchange):
         return out + (self.quantized.buffers() if self.quantized is not None else [])
 
 
-def _quantized_bucket(opt, hook, buffer: torch.Tensor,
-                      quantized: QuantizedAverage) -> torch.futures.Future:
-    """The DDP hook's bucket averaged through ``quantized``: on the CPU on the group's
-    background thread (backward goes on meanwhile, as beside DDP's own allreduce), on a GPU
-    here, on the current stream (the collectives are asynchronous there already)."""
+def _quantized_bucket(opt, hook, buffer: torch.Tensor, quantized: QuantizedAverage | None,
+                      levels) -> torch.futures.Future:
+    """The DDP hook's bucket averaged through ``quantized`` and/or over a hierarchical
+    topology's ``levels``: on the CPU on the group's background thread (backward goes on
+    meanwhile, as beside DDP's own allreduce), on a GPU here, on the current stream (the
+    collectives are asynchronous there already)."""
     world, group, timeout = hook.world_size, hook.comm_group, opt.comm_timeout
     dense = ring_bytes(4 * buffer.numel(), world)
 
     def run() -> torch.Tensor:
         flat = buffer if buffer.dtype == torch.float32 else buffer.to(torch.float32)
-        sent = quantized.average_(flat, group, world, timeout)
+        if levels is not None:
+            sent = two_level_mean_(flat, levels, timeout, quantized)[0]
+        else:
+            sent = quantized.average_(flat, group, world, timeout)
         if flat is not buffer:
             buffer.copy_(flat)
         opt.counts.add_exact(sent, dense)

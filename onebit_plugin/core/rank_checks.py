@@ -224,7 +224,7 @@ def check_ranks_agree(opt, params: list[torch.Tensor]) -> None:
         return
     settings = {
         **opt.config.agreement(opt.auto_freeze.total_steps if opt.auto_freeze else None),
-        **opt.policy.agreement(opt.run_length.total),
+        **opt.policy.agreement(opt.run_length.total), **opt.topology.agreement(),
         "bucket bytes": opt.unit_cap_bytes, "global_step": opt.global_step,
         "trainable parameters": len(params),
         "trainable values": sum(p.numel() for p in params),

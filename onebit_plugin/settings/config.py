@@ -30,6 +30,8 @@ ERROR_DTYPES = ("float32", "bfloat16")
 # variance refreshes): 32 the paper's fp32 average, 16 bf16, 8 blockwise int8
 # (onebit_plugin.comm.quantized).
 WARMUP_BITS = (32, 16, 8)
+# How the ranks are laid out for the exchanges (onebit_plugin.comm.topology).
+TOPOLOGIES = ("auto", "flat", "hierarchical")
 # A Triton program holds one block: compile time grows with it (2**17 values took 129 s to
 # compile for sm_90, 2**21 did not compile), and blocks past a few thousand values buy nothing.
 MAX_BLOCK = 16384
@@ -57,6 +59,8 @@ _RULES = {
                     f"one of {WARMUP_BITS}", f"one of {WARMUP_BITS}"),
     "refresh_interval": (lambda v: v is None or _is_int(v, 1), "an int >= 1 or None",
                          ">= 1"),
+    "topology": (lambda v: v in TOPOLOGIES, f"one of {TOPOLOGIES}", f"one of {TOPOLOGIES}"),
+    "local_world_size": (lambda v: v is None or _is_int(v, 1), "an int >= 1 or None", ">= 1"),
     "comm_timeout": (lambda v: v is None or v > 0, "> 0 seconds", "> 0 seconds"),
     "max_skipped_steps": (lambda v: _is_int(v, 1), "an int >= 1", ">= 1"),
     "bucket_cap_mb": (lambda v: v is None or v > 0, "> 0", "> 0"),
@@ -101,6 +105,8 @@ class OneBitConfig:
     error_dtype: str = "float32"
     warmup_bits: int = 32
     refresh_interval: int | None = None
+    topology: str = "auto"
+    local_world_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.freeze_step is None:
@@ -128,7 +134,8 @@ class OneBitConfig:
                 "master_weights": int(self.master_weights),
                 "error_dtype": ERROR_DTYPES.index(self.error_dtype),
                 "warmup_bits": self.warmup_bits,
-                "refresh_interval": self.refresh_interval or 0}
+                "refresh_interval": self.refresh_interval or 0,
+                "topology asked": TOPOLOGIES.index(self.topology)}
 
     def replace(self, **changes) -> OneBitConfig:
         """A copy with ``changes``, checked again."""
@@ -199,14 +206,15 @@ VARIABLES = ("ONEBIT_ADAM", "ONEBIT_OPTIMIZER", "ONEBIT_FREEZE_STEP", "ONEBIT_VA
              "ONEBIT_LOCAL_STEP_SCALER", "ONEBIT_TOTAL_STEPS", "ONEBIT_MAX_BLOCK",
              "ONEBIT_SCALE", "ONEBIT_OVERLAP", "ONEBIT_TIMEOUT", "ONEBIT_BOUND_UPDATE",
              "ONEBIT_MASTER_WEIGHTS", "ONEBIT_ERROR_DTYPE", "ONEBIT_WARMUP_BITS",
-             "ONEBIT_REFRESH_INTERVAL", "ONEBIT_CPU_KERNEL")
+             "ONEBIT_REFRESH_INTERVAL", "ONEBIT_TOPOLOGY", "ONEBIT_CPU_KERNEL")
 # The variable of each config field it sets: a ValueError about the field names the variable.
 _FIELD_VARIABLES = {"freeze_step": "ONEBIT_FREEZE_STEP", "total_steps": "ONEBIT_TOTAL_STEPS",
                     "max_block": "ONEBIT_MAX_BLOCK", "scale": "ONEBIT_SCALE",
                     "comm_timeout": "ONEBIT_TIMEOUT", "bound_update": "ONEBIT_BOUND_UPDATE",
                     "master_weights": "ONEBIT_MASTER_WEIGHTS",
                     "error_dtype": "ONEBIT_ERROR_DTYPE", "warmup_bits": "ONEBIT_WARMUP_BITS",
-                    "refresh_interval": "ONEBIT_REFRESH_INTERVAL"}
+                    "refresh_interval": "ONEBIT_REFRESH_INTERVAL",
+                    "topology": "ONEBIT_TOPOLOGY"}
 
 
 def _env_int(name: str) -> int | None:
@@ -260,6 +268,7 @@ class EnvSettings:
     error_dtype: str = "float32"
     warmup_bits: int = 32
     refresh_interval: int | None = None
+    topology: str = "auto"
     optimizer: str = "onebit_adam"
     var_freeze_step: int | str = "auto"
     local_step_scaler: int | str = "auto"
@@ -285,7 +294,7 @@ class EnvSettings:
                             comm_timeout=self.timeout, bound_update=self.bound_update,
                             master_weights=self.master_weights, error_dtype=self.error_dtype,
                             warmup_bits=self.warmup_bits,
-                            refresh_interval=self.refresh_interval)
+                            refresh_interval=self.refresh_interval, topology=self.topology)
 
     @classmethod
     def from_env(cls) -> EnvSettings | None:
@@ -339,6 +348,7 @@ def settings_from_env() -> EnvSettings | None:
         error_dtype=os.environ.get("ONEBIT_ERROR_DTYPE", "").strip() or "float32",
         warmup_bits=32 if (bits := _env_int("ONEBIT_WARMUP_BITS")) is None else bits,
         refresh_interval=_env_int("ONEBIT_REFRESH_INTERVAL"),
+        topology=os.environ.get("ONEBIT_TOPOLOGY", "").strip() or "auto",
     )
     if fields["refresh_interval"] is not None and member != "onebit_adam":
         raise ValueError(
