@@ -65,8 +65,11 @@ def require_member(optimizers: list, needs: str) -> OneBitOptimizer:
 
 
 def pair(model, optimizer: OneBitOptimizer, overlap: bool, comm_timeout: float | None,
-         record_timeline: bool = False):
-    """Register the 1-bit hook on the DDP ``model`` for ``optimizer``; returns its state."""
+         record_timeline: bool = False, local_world_size: int | None = None):
+    """Register the 1-bit hook on the DDP ``model`` for ``optimizer``; returns its state.
+    ``local_world_size``: the strategy's processes per node (the optimizer's ``topology``)."""
+    if local_world_size:
+        optimizer.set_local_world_size(local_world_size)
     state = register_onebit_hook(model, optimizer, overlap=overlap,
                                  record_timeline=record_timeline, comm_timeout=comm_timeout)
     settle_before_teardown()

@@ -86,7 +86,8 @@ def make_fabric_strategy_class(fabric, module: str):
         def _pair(self) -> None:
             if self.hook_state is not None or self._model is None or self._optimizer is None:
                 return
-            self.hook_state = pair(self._model, self._optimizer, self.overlap, self.comm_timeout)
+            self.hook_state = pair(self._model, self._optimizer, self.overlap, self.comm_timeout,
+                                   local_world_size=self.num_processes)
             say_at_exit_if_uncompressed(self._optimizer)
             log.info("onebit: Fabric strategy onebit_adam, freeze_step=%s, overlap=%s",
                      self._optimizer.freeze_step, self.hook_state.overlap)

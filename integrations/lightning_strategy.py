@@ -166,7 +166,7 @@ def make_strategy_class(pl, callback_cls, module: str):
             self._bound_default_group(optimizer.comm_timeout if self.comm_timeout is None
                                       else timedelta(seconds=self.comm_timeout))
             self.hook_state = pair(self.model, optimizer, self.overlap, self.comm_timeout,
-                                   self.record_timeline)
+                                   self.record_timeline, self.num_processes)
             route_clipping(self.precision_plugin)
 
         @override

@@ -288,3 +288,31 @@ def test_topology_is_checked_and_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("ONEBIT_TOPOLOGY", "tree")
     with pytest.raises(ValueError, match="ONEBIT_TOPOLOGY must be one of"):
         settings_from_env()
+
+
+def _standalone(rank, world):
+    os.environ["LOCAL_WORLD_SIZE"] = str(LOCAL)
+    from onebit_plugin import CompressedAllreduce
+
+    state = CompressedAllreduce(5000, topology="hierarchical", max_block=512)
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(rank))
+    out = state(x.clone())
+    saved = state.state_dict()
+    flat = CompressedAllreduce(5000, topology="flat", max_block=512)
+    try:
+        flat.load_state_dict(saved)
+        refused = None
+    except ValueError as exc:
+        refused = str(exc)
+    return out, x, saved["topology"], state.worker_error.numel(), refused
+
+
+def test_the_standalone_allreduce_takes_the_topology_too():
+    out = run_ranks(_standalone, 4)
+    assert_ranks_identical([r[0] for r in out], "averages")
+    mean = sum(r[1] for r in out) / 4
+    assert float((out[0][0] - mean).abs().mean()) < float(mean.abs().mean())  # an estimate
+    assert [r[2] for r in out] == ["hierarchical 2x2"] * 4
+    assert 2500 <= out[0][3] < 2500 + 512
+    assert out[0][4] == ("compressed allreduce state was saved with topology='hierarchical "
+                         "2x2'; this one has 'flat'")

@@ -82,6 +82,9 @@ class FlatTopology:
         return exchange.communicator(self.comm_group(timeout, device), self.world_size,
                                      timeout=timeout, **options)
 
+    def learn_local_world_size(self, local: int) -> None:
+        """An integration's ranks per host (``OneBitOptimizer.set_local_world_size``)."""
+
     def describe(self) -> str:
         """The layout, as checkpoints record it: error buffers of another do not fit."""
         return "flat"
@@ -190,6 +193,11 @@ class HierarchicalTopology(FlatTopology):
                                        group, timeout, device)
             self._levels = (host_group, cross_group, local, hosts)
         return self._levels
+
+    def learn_local_world_size(self, local: int) -> None:
+        if self.asked_local is None and self._layout is None and \
+                not os.environ.get("LOCAL_WORLD_SIZE", "").strip():
+            self.asked_local = local
 
     def communicator(self, exchange, timeout, device, **options):
         levels = self.levels(timeout, device)

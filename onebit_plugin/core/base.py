@@ -83,18 +83,15 @@ class OneBitOptimizer(Optimizer):
         self._masks = {}
         for p, m in (masks or {}).items():
             if m.shape != p.shape:
-                raise ValueError(
-                    f"a mask has shape {tuple(m.shape)}, its parameter {tuple(p.shape)}"
-                )
+                raise ValueError(f"a mask has shape {tuple(m.shape)}, its parameter "
+                                 f"{tuple(p.shape)}")
             self._masks[p] = m.to(device=p.device, dtype=torch.bool)
         rank_checks.reject_sharded(self.trainable())
         say_if_rounded_away(self.trainable(), config.master_weights)
         devices = {p.device for p in self.trainable()}
         if len(devices) > 1:
-            raise ValueError(
-                f"{type(self).__name__} needs all parameters on one device, got "
-                f"{sorted(map(str, devices))}"
-            )
+            raise ValueError(f"{type(self).__name__} needs all parameters on one device, got "
+                             f"{sorted(map(str, devices))}")
         self.run_length = RunLength(config.total_steps)
         self.global_step = 0
         self.switch_step: int | None = None
@@ -255,6 +252,11 @@ class OneBitOptimizer(Optimizer):
         if self.auto_freeze is not None and self.auto_freeze.total_steps is None:
             self.auto_freeze.total_steps = int(total_steps)
         self.run_length.say_if_never(self.freeze_step, self.switch_step is not None, self._rank)
+
+    def set_local_world_size(self, local_world_size: int) -> None:
+        """Ranks per host, from an integration that knows them (a strategy's processes per
+        node), for ``topology`` where neither ``local_world_size=`` nor LOCAL_WORLD_SIZE says."""
+        self.topology.learn_local_world_size(int(local_world_size))
 
     def compresses_within_run(self) -> bool | None:
         """Whether the compression stage begins before the run ends (None: its length is not

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from onebit_plugin.comm.allreduce import OneBitAllreduce
 from onebit_plugin.comm.collectives import comm_executor, resolve_device
+from onebit_plugin.comm.topology import make_topology
 from onebit_plugin.wire.compression import ChunkLayout
 
 __all__ = ["CompressedAllreduce", "compressed_allreduce"]
@@ -29,7 +30,8 @@ class CompressedAllreduce:
     it with the same ``numel``, ``max_block``, ``scale`` and ``mask`` and call it in the same
     order. ``mask`` (bool, ``numel`` values): False coordinates come out exactly 0 and never
     collect error. Other arguments as :class:`OneBitAllreduce`; ``device``: where the buffers
-    live (default: CPU).
+    live (default: CPU); ``topology`` and ``local_world_size`` as the optimizers'
+    (``onebit_plugin.comm.topology``: hierarchical, exact inside each host and 1-bit across).
 
     Attributes: ``worker_error``, ``server_error``, ``last_call_skipped``, and the
     communicator's counters (``bytes_sent``, ``dense_bytes``, ``calls``, ``skipped_calls``).
@@ -38,10 +40,15 @@ class CompressedAllreduce:
     def __init__(self, numel: int, group: dist.ProcessGroup | None = None, *,
                  max_block: int = 2048, scale: str = "rms", mask: torch.Tensor | None = None,
                  device: torch.device | str | None = None,
-                 timeout: float | timedelta | None = None, error_dtype: str = "float32"):
-        self.comm = OneBitAllreduce(group, max_block=max_block, scale=scale, timeout=timeout,
-                                    error_dtype=error_dtype)
+                 timeout: float | timedelta | None = None, error_dtype: str = "float32",
+                 topology: str = "auto", local_world_size: int | None = None):
         self.device = resolve_device(device)
+        self.topology = make_topology(group, topology, local_world_size)
+        if isinstance(timeout, int | float):
+            timeout = timedelta(seconds=timeout)
+        self.comm = self.topology.communicator(_OneBit, timeout, self.device,
+                                               max_block=max_block, scale=scale,
+                                               error_dtype=error_dtype)
         self.plan = self.comm.plan(numel, mask, self.device)
         self.errors = self.plan.new_errors()
         self.last_call_skipped = False
@@ -105,20 +112,30 @@ class CompressedAllreduce:
 
     def state_dict(self) -> dict:
         """This rank's errors (each rank saves its own; the errors differ)."""
+        inner = getattr(self.comm, "inner", self.comm)
         return {"numel": self.numel, "world_size": self.comm.world_size,
-                "max_block": self.comm.max_block, "scale": self.comm.scale,
+                "max_block": inner.max_block, "scale": inner.scale,
+                "topology": self.topology.describe(),
                 **{f"{k}_error": v.clone() for k, v in self.errors.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         """Load this rank's errors; those of masked coordinates are cleared."""
         mine = self.state_dict()
-        for key in ("numel", "world_size", "max_block", "scale"):
-            if state[key] != mine[key]:
+        for key in ("numel", "world_size", "max_block", "scale", "topology"):
+            if state.get(key, "flat") != mine[key]:  # no topology: saved before it, flat
                 raise ValueError(f"compressed allreduce state was saved with {key}="
                                  f"{state[key]!r}; this one has {mine[key]!r}")
         for k, v in self.errors.items():
             v.copy_(state[f"{k}_error"])
         self.plan.clear_masked_(self.errors)
+
+
+class _OneBit:
+    """The exchange the topology wraps (``policy.Exchange``'s one method)."""
+
+    @staticmethod
+    def communicator(group, world: int, *, timeout, **options) -> OneBitAllreduce:
+        return OneBitAllreduce(group, timeout=timeout, **options)
 
 
 def compressed_allreduce(tensor: torch.Tensor, state: CompressedAllreduce,
