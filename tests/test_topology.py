@@ -191,7 +191,9 @@ def _compressed_on_ranks(rank, world, numel):
     bad = torch.randn(numel)
     if rank == 3:
         bad[5] = float("inf")
-    skipped = comm.reduce_(bad, plan, errors, out=torch.empty(numel))
+    kept = torch.full((numel,), 3.0)
+    skipped = comm.reduce_(bad, plan, errors, out=kept)
+    assert torch.equal(kept, torch.full((numel,), 3.0))  # a skipped call leaves out as it was
     return xs, outs, errors["worker"].numel(), errors["server"].numel(), skipped
 
 

@@ -17,10 +17,10 @@ quantizes inside the host too: here the fast links carry fp32). The error buffer
 communicator's, over the slice: worker ``s`` values, server ``s / H``.
 
 A non-finite input on any rank reaches its host's slice sum; the inner communicator then skips
-on every rank of that local rank, whose slice comes back as NaN, and the all-gather carries the
-NaN to every rank of every host: the whole step is skipped everywhere, with no extra collective.
-The other local ranks' inner calls have run by then, and their error buffers keep that call's
-residuals (a flat 1-bit allreduce's finite ranks keep their worker residual too).
+on every rank of that local rank, on every host, and a one-value allreduce of the flag inside
+the host tells its other ranks: the call is skipped everywhere, the output untouched. The other
+local ranks' inner calls have run by then, and their error buffers keep that call's residuals
+(a flat 1-bit allreduce's finite ranks keep their worker residual too).
 
 :func:`two_level_mean_` is the full-precision steps' average over the same levels (the warm-up,
 refreshes): exact, the sums in host then local-rank order whatever the tensor's cut (the DDP
@@ -41,98 +41,104 @@ from onebit_plugin.wire.deferred import Fold
 __all__ = ["HierarchicalAllreduce", "HierarchicalPlan", "two_level_mean_"]
 
 
-def _scatter_sum(x: torch.Tensor, group, size: int, rows: torch.Tensor, timeout, what: str
-                 ) -> tuple[torch.Tensor, int]:
-    """Slice ``k`` of ``x`` (``size`` slices, ``x`` padded to ``rows.numel()``) to rank ``k``
-    of ``group``; the sum of the slices this rank receives, in rank order, into ``rows[0]``.
-    Returns it and the bytes sent."""
-    per = rows.shape[1]
-    send = torch.zeros(size * per, dtype=x.dtype, device=x.device) if x.numel() != size * per \
-        else x
-    if send is not x:
-        send[: x.numel()].copy_(x)
-    work = dist.all_to_all_single(rows.view(-1), send, group=group, async_op=True)
+def cut(n: int, parts: int) -> list[int]:
+    """``n`` values in ``parts`` slices as equal as can be, the larger first."""
+    return [n // parts + (k < n % parts) for k in range(parts)]
+
+
+def _exchange(out: torch.Tensor, inp: torch.Tensor, out_sizes, in_sizes, group, timeout,
+              what: str) -> int:
+    """One all-to-all of ``inp`` cut as ``in_sizes`` into ``out`` cut as ``out_sizes``, in the
+    group's rank order; the bytes this rank sent to the others."""
+    work = dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=group, async_op=True)
     wait_collectives([work], timeout, what, group)
+    me = dist.get_rank(group)
+    return (sum(in_sizes) - in_sizes[me]) * inp.element_size()
+
+
+def scatter_sum(x: torch.Tensor, sizes: list[int], me: int, group, scratch: torch.Tensor,
+                timeout, what: str) -> tuple[torch.Tensor, int]:
+    """Slice ``k`` of ``x`` (cut as ``sizes``) to rank ``k`` of ``group``; the slices this
+    rank receives (``len(sizes)`` of ``sizes[me]`` values, in ``scratch``) summed in rank order
+    into the first. Returns that sum and the bytes sent."""
+    size, mine = len(sizes), sizes[me]
+    rows = scratch[: size * mine].view(size, mine)
+    sent = _exchange(rows.view(-1), x, [mine] * size, sizes, group, timeout, what)
     own = rows[0]
     for k in range(1, size):
         own.add_(rows[k])
-    return own, (size - 1) * per * x.element_size()
+    return own, sent
 
 
-def _gather(own: torch.Tensor, group, size: int, out: torch.Tensor, timeout, what: str) -> int:
-    """Every rank's ``own`` into ``out`` (``size`` slices, rank order); the bytes sent."""
-    work = dist.all_gather_into_tensor(out, own, group=group, async_op=True)
-    wait_collectives([work], timeout, what, group)
-    return (size - 1) * own.nbytes
+def gather(own: torch.Tensor, sizes: list[int], me: int, group, out: torch.Tensor,
+           scratch: torch.Tensor, timeout, what: str) -> int:
+    """Every rank's ``own`` (``sizes[k]`` values on rank ``k``) into ``out`` in rank order, as
+    an all-to-all sending ``own`` to each (gloo's all-gather is a ring of ``W - 1`` dependent
+    steps, ``allreduce._WireBuffers``); ``scratch`` holds the copies sent. The bytes sent."""
+    size = len(sizes)
+    rows = scratch[: size * sizes[me]].view(size, -1)
+    rows.copy_(own.expand(size, -1))
+    return _exchange(out, rows.view(-1), sizes, [sizes[me]] * size, group, timeout, what)
 
 
 def two_level_mean_(x: torch.Tensor, levels, timeout, quantized=None) -> tuple[int, int]:
     """``x`` (flat fp32) replaced by its mean over every rank of the two levels
     (``topology.HierarchicalTopology.levels``): summed inside each host, then across hosts
     (exactly, or through ``quantized``, ``comm.quantized.QuantizedAverage``), divided by the
-    world's size, gathered back. Returns (bytes sent in all, bytes sent across hosts)."""
+    world's size, gathered back. Two scratch buffers of about ``x``'s size and ``1/L`` of it
+    live for the call. Returns (bytes sent in all, bytes sent across hosts)."""
     host_group, cross_group, local, hosts = levels
-    world, n = local * hosts, x.numel()
-    s = -(-n // local)
-    rows = torch.empty(local, s, dtype=x.dtype, device=x.device)
-    own, sent = _scatter_sum(x, host_group, local, rows, timeout,
-                             "the full-precision step's reduce-scatter inside the host")
+    me_local, me_host = dist.get_rank(host_group), dist.get_rank(cross_group)
+    sizes = cut(x.numel(), local)
+    scratch = torch.empty(local * sizes[me_local], dtype=x.dtype, device=x.device)
+    own, sent = scatter_sum(x, sizes, me_local, host_group, scratch, timeout,
+                            "the full-precision step's reduce-scatter inside the host")
     if quantized is None:
-        t = -(-s // hosts)
-        rows2 = torch.empty(hosts, t, dtype=x.dtype, device=x.device)
-        part, across = _scatter_sum(own, cross_group, hosts, rows2, timeout,
-                                    "the full-precision step's reduce-scatter across hosts")
-        part.div_(world)
-        mean = torch.empty(hosts * t, dtype=x.dtype, device=x.device)
-        across += _gather(part, cross_group, hosts, mean, timeout,
-                          "the full-precision step's all-gather across hosts")
-        own.copy_(mean[:s])
+        parts = cut(own.numel(), hosts)
+        scratch2 = torch.empty(hosts * parts[me_host], dtype=x.dtype, device=x.device)
+        part, across = scatter_sum(own, parts, me_host, cross_group, scratch2, timeout,
+                                   "the full-precision step's reduce-scatter across hosts")
+        part.div_(local * hosts)
+        mean = part.clone()
+        across += gather(mean, parts, me_host, cross_group, own, scratch2, timeout,
+                         "the full-precision step's all-gather across hosts")
     else:
         own.div_(local)
         across = quantized.average_(own, cross_group, hosts, timeout)
-    gathered = torch.empty(local * s, dtype=x.dtype, device=x.device)
-    sent += across + _gather(own, host_group, local, gathered, timeout,
-                             "the full-precision step's all-gather inside the host")
-    x.copy_(gathered[:n])
+    mine = own.clone()
+    sent += across + gather(mine, sizes, me_local, host_group, x, scratch, timeout,
+                            "the full-precision step's all-gather inside the host")
     return sent, across
 
 
 class HierarchicalPlan:
-    """A tensor of ``numel`` values over two levels: this rank's slice (``lo`` on, ``slice``
-    values, the tail past ``numel`` masked) and the inner communicator's plan for it, with the
-    buffers of the exchanges inside the host (allocated once). Answers what a momentum unit asks
-    of a plan (``allreduce.Plan``); the average always comes back decoded."""
+    """A tensor of ``numel`` values over two levels: this rank's slice (``lo`` on, ``size``
+    values; ``sizes`` every local rank's) and the inner communicator's plan for it. Answers what
+    a momentum unit asks of a plan (``allreduce.Plan``); the average always comes back decoded.
+    The exchanges inside the host use the communicator's scratch, shared by every plan."""
 
     def __init__(self, numel: int, keep, device, local_rank: int, local: int, inner,
                  world: int):
-        self.numel, self.local = numel, local
-        self.slice = -(-numel // local)
-        self.lo = local_rank * self.slice
-        self.inner: Plan = inner.plan(self.slice, self._own_keep(keep), device)
-        self.device = self.inner.device
-        z = dict(dtype=torch.float32, device=self.device)
-        self.rows = torch.empty(local, self.slice, **z)
-        self.send = torch.empty(local * self.slice, **z)
-        self.decoded = torch.empty(self.slice, **z)
-        self.gathered = torch.empty(local * self.slice, **z)
-        self.layout = ChunkLayout.create(numel, world, 8)  # the dense bytes' count
+        self.numel, self.sizes = numel, cut(numel, local)
+        if not self.sizes[-1]:
+            raise ValueError(f"a momentum unit of {numel} values cannot be cut over hosts of "
+                             f"{local} ranks (fewer values than ranks): topology='flat'")
+        self.lo, self.size = sum(self.sizes[:local_rank]), self.sizes[local_rank]
         self.keep = None if keep is None else keep.clone()
+        self.inner: Plan = inner.plan(self.size, self._own_keep(keep), device)
+        self.device = self.inner.device
+        self.layout = ChunkLayout.create(numel, world, 8)  # the dense bytes' count
         self.encoded = False  # never left encoded
 
-    def _own_keep(self, keep) -> torch.Tensor:
-        own = torch.zeros(self.slice, dtype=torch.bool)
-        hi = min(self.lo + self.slice, self.numel)
-        if hi > self.lo:
-            own[: hi - self.lo] = True if keep is None else keep[self.lo : hi].cpu()
-        return own
+    def _own_keep(self, keep):
+        return None if keep is None else keep[self.lo : self.lo + self.size]
 
     def remask_(self, keep) -> None:
         self.keep = None if keep is None else keep.clone()
-        self.inner.remask_(self._own_keep(keep).to(self.device))
+        self.inner.remask_(self._own_keep(keep))
 
     def keeps(self, keep: torch.Tensor) -> bool:
-        mine = self.keep if self.keep is not None else torch.ones_like(keep)
-        return torch.equal(keep, mine[: keep.numel()])
+        return bool(keep.all()) if self.keep is None else torch.equal(keep, self.keep)
 
     def new_errors(self) -> dict[str, torch.Tensor]:
         return self.inner.new_errors()
@@ -147,10 +153,7 @@ class HierarchicalPlan:
         """Nothing is ever left encoded."""
 
     def buffers(self, errors: dict) -> list[tuple[str, torch.Tensor]]:
-        own = [("hierarchical buffers", t) for t in (self.rows, self.send, self.decoded,
-                                                      self.gathered)]
-        if self.keep is not None:
-            own.append(("masks", self.keep))
+        own = [("masks", self.keep)] if self.keep is not None else []
         return self.inner.buffers(errors) + own
 
 
@@ -158,7 +161,9 @@ class HierarchicalAllreduce(_Communicator):
     """``inner`` (a communicator over the cross-host group of this rank's local rank) between an
     exact reduce-scatter and an all-gather inside the host (module docstring). ``group``: the
     optimizer's group of every rank (its background thread and checks); ``host_group``: this
-    rank's host, ``local`` ranks. ``cross_bytes`` counts what crossed hosts (the inner's)."""
+    rank's host, ``local`` ranks. ``cross_bytes`` counts what crossed hosts (the inner's).
+    One scratch of ``L`` times the largest slice (about the largest tensor) and one of the
+    largest slice serve every call (calls hold the lock, one at a time)."""
 
     def __init__(self, inner: _Communicator, group, host_group, local: int, timeout=None):
         super().__init__(group, timeout)
@@ -166,35 +171,54 @@ class HierarchicalAllreduce(_Communicator):
         self.compressed = inner.compressed
         self.local_rank = self.rank % local
         self.cross_bytes = 0
+        self._scratch: torch.Tensor | None = None
+        self._decoded: torch.Tensor | None = None
 
     def plan(self, numel: int, keep: torch.Tensor | None = None, device=None):
         return HierarchicalPlan(numel, keep, device or "cpu", self.local_rank, self.local,
                                 self.inner, self.world_size)
 
     def buffers(self) -> list[tuple[str, torch.Tensor]]:
-        return self.inner.buffers()
+        own = [("hierarchical scratch", t) for t in (self._scratch, self._decoded)
+               if t is not None]
+        return self.inner.buffers() + own
+
+    def _scratches(self, plan: HierarchicalPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        need = self.local * plan.size
+        if self._scratch is None or self._scratch.numel() < need or \
+                self._scratch.device != plan.device:
+            self._scratch = torch.empty(need, dtype=torch.float32, device=plan.device)
+            self._decoded = torch.empty(plan.size, dtype=torch.float32, device=plan.device)
+        return self._scratch, self._decoded[: plan.size]
 
     def _reduce(self, tensor, out, plan: HierarchicalPlan, errors, decode) -> bool:
         if isinstance(tensor, Fold):
             tensor = tensor.materialize()
         out = tensor if out is None else out
-        n, s, local = plan.numel, plan.slice, self.local
-        x = tensor.reshape(-1)
-        plan.send[:n].copy_(x)
-        plan.send[n:].zero_()
-        own, sent = _scatter_sum(plan.send, self.host_group, local, plan.rows, self.timeout,
-                                 "the momentum's reduce-scatter inside the host")
-        own.div_(local)
+        scratch, decoded = self._scratches(plan)
+        x = tensor.reshape(-1).to(torch.float32)
+        own, sent = scatter_sum(x, plan.sizes, self.local_rank, self.host_group, scratch,
+                                self.timeout, "the momentum's reduce-scatter inside the host")
+        own.div_(self.local)
         before = self.inner.bytes_sent
-        if not self.inner.reduce_(own, plan.inner, errors, out=plan.decoded):
-            plan.decoded.fill_(float("nan"))  # tells the host, and so every rank
+        ok = self.inner.reduce_(own, plan.inner, errors, out=decoded)
         crossed = self.inner.bytes_sent - before
-        sent += crossed + _gather(plan.decoded, self.host_group, local, plan.gathered,
-                                  self.timeout, "the momentum's all-gather inside the host")
-        self.bytes_sent += sent
+        # Whether every local rank's slice came through: the same on every host (the ranks of
+        # a local rank decided alike), so on every rank; ``out`` is untouched where not.
+        flag = torch.tensor([float(ok)], device=plan.device)
+        work = dist.all_reduce(flag, dist.ReduceOp.MIN, group=self.host_group, async_op=True)
+        wait_collectives([work], self.timeout, "the host's flag of finite slices",
+                         self.host_group)
+        sent += crossed + 4 * (self.local - 1)
         self.cross_bytes += crossed
-        # A decoded slice is finite (its scales were); a skipped one is NaN from its start.
-        if not bool(torch.isfinite(plan.gathered[::s]).all()):
+        if not bool(flag.item()):
+            self.bytes_sent += sent
             return False
-        out.reshape(-1).copy_(plan.gathered[:n])
+        flat_out = out.reshape(-1)
+        target = flat_out if flat_out.dtype == torch.float32 else torch.empty_like(x)
+        sent += gather(decoded, plan.sizes, self.local_rank, self.host_group, target, scratch,
+                       self.timeout, "the momentum's all-gather inside the host")
+        if target is not flat_out:
+            flat_out.copy_(target)
+        self.bytes_sent += sent
         return True
