@@ -59,6 +59,10 @@ CONFIGS = {
     "zero_one_adam": ("ZeroOneAdam", _ZERO_ONE, 18),
     "zero_one_adam_bf16_errors": ("ZeroOneAdam", {**_ZERO_ONE, "error_dtype": "bfloat16"}, 18),
     "onebit_lamb": ("OneBitLamb", {"lr": 1e-3, "freeze_step": 3}, 8),
+    # Issue 46 (with --world 4 --local-world-size 2: 2 hosts of 2): one level against two.
+    "onebit_adam_flat": ("OneBitAdam", {"lr": 1e-4, "freeze_step": 3, "topology": "flat"}, 8),
+    "onebit_adam_hierarchical": ("OneBitAdam", {"lr": 1e-4, "freeze_step": 3,
+                                                "topology": "hierarchical"}, 8),
 }
 
 
@@ -141,6 +145,8 @@ def _free_port() -> int:
 def run_config(name: str, args, tmp: Path) -> list[dict]:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
            "WORLD_SIZE": str(args.world), "OMP_NUM_THREADS": "1"}
+    if args.local_world_size:
+        env["LOCAL_WORLD_SIZE"] = str(args.local_world_size)
     if not args.default_malloc:
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     procs, outs = [], []
@@ -184,6 +190,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--only", nargs="*", choices=sorted(CONFIGS))
+    parser.add_argument("--local-world-size", type=int, default=None,
+                        help="LOCAL_WORLD_SIZE of the ranks (hosts of that many ranks)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--default-malloc", action="store_true",
                         help="glibc's default mmap threshold (module docstring)")
