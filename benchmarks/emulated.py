@@ -19,8 +19,10 @@ def _exit_on_sigterm(signum, frame):
 
 
 def run_ranks(argv: list[str], hosts: int, rate: str, port: int,
-              timeout: float = 900) -> tuple[str, list[str]]:
-    """Run ``argv`` (a script and its arguments) as ``hosts`` torchrun ranks of one thread each.
+              timeout: float = 900, per_host: int = 1) -> tuple[str, list[str]]:
+    """Run ``argv`` (a script and its arguments) as ``hosts`` torchrun nodes of ``per_host``
+    ranks each (every rank one thread; a node's ranks share its namespace, so their traffic to
+    each other stays inside the host).
     Returns a description of the network and every node's output; raises SystemExit with the
     tails of the outputs when a rank fails. Every process started, torchrun's workers included
     (they run in sessions of their own), is tagged and killed if this function leaves early (a
@@ -47,13 +49,14 @@ def run_ranks(argv: list[str], hosts: int, rate: str, port: int,
 
             if emulated is None:
                 print(f"no emulated hosts ({reason}): all ranks over loopback, unlimited")
-                procs = [run([torchrun, "--nproc_per_node", str(hosts), "--master_port",
+                procs = [run([torchrun, "--nproc_per_node", str(hosts * per_host),
+                              "--master_port",
                               str(port), *argv])]
                 network = "loopback (no bandwidth limit: not root)"
             else:
                 procs = [run(host.command([
                     "env", f"GLOO_SOCKET_IFNAME={host.ifname}", torchrun, "--nnodes",
-                    str(hosts), "--nproc_per_node", "1", "--node_rank", str(rank),
+                    str(hosts), "--nproc_per_node", str(per_host), "--node_rank", str(rank),
                     "--master_addr", emulated[0].address, "--master_port", str(port),
                     *argv])) for rank, host in enumerate(emulated)]
                 network = f"{rate} per host link (tc tbf)"

@@ -124,7 +124,6 @@ class HierarchicalPlan:
             raise ValueError(f"a momentum unit of {numel} values cannot be cut over hosts of "
                              f"{local} ranks (fewer values than ranks): topology='flat'")
         self.lo, self.size = sum(self.sizes[:local_rank]), self.sizes[local_rank]
-        self.keep = None if keep is None else keep.clone()
         self.inner: Plan = inner.plan(self.size, self._own_keep(keep), device)
         self.device = self.inner.device
         self.layout = ChunkLayout.create(numel, world, 8)  # the dense bytes' count
@@ -134,11 +133,12 @@ class HierarchicalPlan:
         return None if keep is None else keep[self.lo : self.lo + self.size]
 
     def remask_(self, keep) -> None:
-        self.keep = None if keep is None else keep.clone()
         self.inner.remask_(self._own_keep(keep))
 
     def keeps(self, keep: torch.Tensor) -> bool:
-        return bool(keep.all()) if self.keep is None else torch.equal(keep, self.keep)
+        """Whether this rank's slice of ``keep`` is its mask already: the rest is other
+        ranks' (a remask touches nothing shared)."""
+        return self.inner.keeps(self._own_keep(keep))
 
     def new_errors(self) -> dict[str, torch.Tensor]:
         return self.inner.new_errors()
@@ -153,8 +153,7 @@ class HierarchicalPlan:
         """Nothing is ever left encoded."""
 
     def buffers(self, errors: dict) -> list[tuple[str, torch.Tensor]]:
-        own = [("masks", self.keep)] if self.keep is not None else []
-        return self.inner.buffers(errors) + own
+        return self.inner.buffers(errors)
 
 
 class HierarchicalAllreduce(_Communicator):
