@@ -116,6 +116,13 @@ WARMUP_BITS = {f"{v}_w{bits}": (v, bits) for v in ("onebit_auto", "onebit_fixed"
                for bits in (16, 8)}
 ALL_VARIANTS = (VARIANTS + list(ONEBIT_FIXED) + list(ONEBIT_REFRESH) + list(ONEBIT_EXACT)
                 + list(ZERO_ONE) + list(LAMB) + list(ADAM_LRS) + list(WARMUP_BITS))
+# The two-level topology (issue 46), with --world 4 --local-world-size 2: "<variant>_flat" and
+# "<variant>_hier" for each member's variant, topology "flat" or "hierarchical".
+TOPOLOGY = {"_flat": "flat", "_hier": "hierarchical"}
+ALL_VARIANTS += tuple(v + suffix for v in ("onebit_auto", "zero_one", "onebit_lamb",
+                                           "onebit_auto_w8", "zero_one_w8")
+                      for suffix in TOPOLOGY)
+WORLD, LOCAL = 2, None  # --world, --local-world-size
 # The collectives a rank calls, counted by wrapping torch.distributed's functions (DDP's own
 # C++ allreduce is not one of them: the plain-Adam variants average through an equal Python
 # hook so that theirs are counted too). "Rounds": calls per optimizer step.
@@ -124,8 +131,17 @@ COLLECTIVES = ("all_reduce", "all_to_all_single", "all_gather", "broadcast",
                "recv", "barrier")
 
 
+def _topology(variant: str) -> tuple[str, dict]:
+    """A variant without its topology suffix, and the topology keyword it asks for."""
+    for suffix, topology in TOPOLOGY.items():
+        if variant.endswith(suffix):
+            return variant[: -len(suffix)], {"topology": topology}
+    return variant, {}
+
+
 def reference(variant: str) -> str:
     """The run a variant is compared with."""
+    variant = _topology(variant)[0]
     variant = WARMUP_BITS.get(variant, (variant, 32))[0]
     if "bf16" in variant or variant.endswith("compact_errors"):
         return "onebit_auto"
@@ -152,13 +168,15 @@ def _optimizer(variant, ddp, lr):
     from onebit_plugin import OneBitAdam
     from onebit_plugin.entry.ddp_hook import register_onebit_hook
 
+    variant, topology = _topology(variant)
     variant, bits = WARMUP_BITS.get(variant, (variant, 32))
 
     if variant in LAMB:
         from onebit_plugin import OneBitLamb
 
         opt = OneBitLamb(ddp.parameters(), lr=lr, weight_decay=0.01, total_steps=STEPS,
-                         max_skipped_steps=STEPS + 1, warmup_bits=bits, **LAMB[variant])
+                         max_skipped_steps=STEPS + 1, warmup_bits=bits, **LAMB[variant],
+                         **topology)
         register_onebit_hook(ddp, opt)
         return opt
     if variant in ADAM_LRS:
@@ -172,7 +190,8 @@ def _optimizer(variant, ddp, lr):
         if variant in REFRESH_CAP:
             _capped_refreshes(REFRESH_CAP[variant])
         opt = ZeroOneAdam(ddp.parameters(), lr=lr, total_steps=STEPS,
-                          max_skipped_steps=STEPS + 1, warmup_bits=bits, **ZERO_ONE[variant])
+                          max_skipped_steps=STEPS + 1, warmup_bits=bits, **ZERO_ONE[variant],
+                          **topology)
         register_onebit_hook(ddp, opt)
         return opt
     if variant.startswith("onebit"):
@@ -183,7 +202,7 @@ def _optimizer(variant, ddp, lr):
                          freeze_step=FIXED_FREEZE if variant == "onebit_fixed" else freeze,
                          bound_update=variant != "onebit_auto_unbounded",
                          compress_momentum=variant not in ONEBIT_EXACT,
-                         master_weights=variant.endswith("_master"),
+                         master_weights=variant.endswith("_master"), **topology,
                          error_dtype="bfloat16" if variant.endswith("compact_errors")
                          else "float32")
         register_onebit_hook(ddp, opt)
@@ -258,6 +277,8 @@ def _rank(rank, world, port, workload, variant, seed, queue):
     try:
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        if LOCAL is not None:  # hosts of LOCAL ranks (the topology's layout)
+            os.environ["LOCAL_WORLD_SIZE"] = str(LOCAL)
         dist.init_process_group("gloo", rank=rank, world_size=world)
         work = WORKLOADS[workload]()
         torch.manual_seed(seed)  # the same initial weights on every rank
@@ -333,7 +354,8 @@ def report(queue, rank: int, result: dict) -> None:
     queue.put((rank, payload.getvalue()))
 
 
-def run(workload, variant, seed, world=2) -> dict:
+def run(workload, variant, seed, world=None) -> dict:
+    world = world or WORLD
     results = spawn_ranks(_rank, world, (workload, variant, seed), f"{workload}/{variant}/seed "
                           f"{seed}")
     out = results[0]
@@ -453,7 +475,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    global STEPS, LR
+    global STEPS, LR, WORLD, LOCAL
     p = argparse.ArgumentParser(
         description="Accuracy against bytes: Adam, LAMB, 1-bit Adam, 0/1 Adam, 1-bit LAMB (and "
                     "their warmup_bits variants), fp16 compression and PowerSGD on small "
@@ -478,8 +500,12 @@ def main() -> None:
     p.add_argument("--plot", default=str(ROOT / "docs" / "fidelity_loss_vs_bytes.png"),
                    help="the loss-vs-bytes plot (default: make fidelity's, a file of docs/: "
                         "give another path for any other run)")
+    p.add_argument("--world", type=int, default=2, help="ranks (default %(default)s)")
+    p.add_argument("--local-world-size", type=int, default=None,
+                   help="ranks per emulated host, as LOCAL_WORLD_SIZE (the *_flat and *_hier "
+                        "variants' layout)")
     args = p.parse_args()
-    STEPS, LR = args.steps, args.lr
+    STEPS, LR, WORLD, LOCAL = args.steps, args.lr, args.world, args.local_world_size
     rows = []
     began = time.perf_counter()
     workloads = NAMED.get(args.workloads) or args.workloads.split(",")
