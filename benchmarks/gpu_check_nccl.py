@@ -28,6 +28,10 @@ alive) is killed and joined.
    optimizer group's timeout of ``comm_timeout + max(comm_timeout, 30)`` s), or killed by this
    script. Rank 1 sleeps past that watchdog timeout, so a rank 0 that never raised shows as a
    process ended by the watchdog, not as a step completed late.
+3. ``hierarchical`` (issue 46): the two GPUs as one host of the two-level topology's parts
+   (the host group of both, a cross-host group of each rank alone, on NCCL): the exact
+   two-level mean must equal ``(x0 + x1) / 2`` bit for bit, and six calls of the 1-bit
+   hierarchical communicator must come back finite and identical on both ranks.
 
 Writes the report to ``--out``, appends one record of the run (benchmarks/record.py) to
 ``benchmarks/results/gpu_check_nccl.jsonl`` and writes that record alone next to the report
@@ -135,6 +139,51 @@ def _hook_steps(rank: int, device, opts) -> dict:
     return result
 
 
+def _hierarchical(rank: int, device, opts) -> dict:
+    """Part 3 on one rank: the two GPUs as one host of a two-level topology (issue 46; the
+    topology itself wants two hosts, so its parts are built here: the host group of both
+    ranks, a cross-host group of the rank alone), on NCCL: the exact two-level mean against
+    the plain mean, and the 1-bit communicator's calls, both ranks' results compared."""
+    import torch.distributed as dist
+
+    from onebit_plugin.comm.allreduce import OneBitAllreduce
+    from onebit_plugin.comm.collectives import new_group_of
+    from onebit_plugin.comm.hierarchical import HierarchicalAllreduce, two_level_mean_
+
+    host = new_group_of([0, 1], None, None, device)
+    cross = new_group_of([rank], None, None, device)
+    levels = (host, cross, WORLD, 1)
+    n = opts["dim"] * opts["dim"] * opts["layers"] + 7  # not a multiple of anything
+    gen = torch.Generator(device=device).manual_seed(100 + rank)
+    x = torch.randn(n, generator=gen, device=device)
+    both = [torch.empty_like(x) for _ in range(WORLD)]
+    dist.all_gather(both, x)
+    mean = x.clone()
+    two_level_mean_(mean, levels, None)
+    exact = bool(torch.equal(mean, (both[0] + both[1]) / WORLD))
+    comm = HierarchicalAllreduce(OneBitAllreduce(cross), None, host, WORLD)
+    plan = comm.plan(n, None, device)
+    errors = plan.new_errors()
+    outs, times, oks = [], [], []
+    for _ in range(6):
+        y = torch.randn(n, generator=gen, device=device)
+        out = torch.empty_like(y)
+        _sync(device)
+        start = time.perf_counter()
+        oks.append(bool(comm.reduce_(y, plan, errors, out=out)))
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        outs.append(out)
+    identical = []
+    for out in outs:
+        theirs = [torch.empty_like(out) for _ in range(WORLD)]
+        dist.all_gather(theirs, out)
+        identical.append(bool(torch.equal(theirs[0], theirs[1])))
+    return {"values": n, "exact_mean_equal": exact, "calls_ok": oks,
+            "ranks_identical": identical, "worker_error": errors["worker"].numel(),
+            "median_ms_after_first": round(1e3 * statistics.median(times[1:]), 3)}
+
+
 def _is_communication_error(exc: BaseException) -> bool:
     """The exception, or one it was raised from, is CommunicationError; DDP re-raises a hook's
     error as a RuntimeError that carries its type's name in the message."""
@@ -197,6 +246,8 @@ def _rank_main(rank: int, port: int, part: str, opts: dict, conn) -> None:
             dist.init_process_group(opts["backend"], rank=rank, world_size=WORLD)
         if part == "hook_steps":
             result = _hook_steps(rank, device, opts)
+        elif part == "hierarchical":
+            result = _hierarchical(rank, device, opts)
         else:
             result = _hung_rank(rank, device, opts, part.split(":", 1)[1])
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -206,7 +257,7 @@ def _rank_main(rank: int, port: int, part: str, opts: dict, conn) -> None:
         conn.close()
     except OSError:
         pass
-    if part == "hook_steps" and "error" not in result:
+    if part in ("hook_steps", "hierarchical") and "error" not in result:
         dist.destroy_process_group()
 
 
@@ -293,6 +344,12 @@ def _hook_steps_ok(report: dict) -> bool:
     return True
 
 
+def _hierarchical_ok(report: dict) -> bool:
+    results = [report[f"rank{rank}"]["result"] for rank in range(WORLD)]
+    return all(r and "error" not in r and r["exact_mean_equal"] and all(r["calls_ok"])
+               and all(r["ranks_identical"]) for r in results)
+
+
 def _hung_rank_ok(report: dict, timeout: float) -> bool:
     result = report["rank0"]["result"]
     return bool(result and "error" not in result and result.get("communication_error")
@@ -327,8 +384,8 @@ def main() -> None:
     p.add_argument("--hang-timeout", type=float, default=5.0, help="comm_timeout of part 2")
     p.add_argument("--hang-sleep", type=float, default=90.0,
                    help="rank 1's sleep in part 2: past the watchdog's comm_timeout + 30 s")
-    p.add_argument("--parts", nargs="*", default=["hook_steps", "hung_optimizer", "hung_ddp_hook"],
-                   choices=["hook_steps", "hung_optimizer", "hung_ddp_hook"])
+    parts = ["hook_steps", "hierarchical", "hung_optimizer", "hung_ddp_hook"]
+    p.add_argument("--parts", nargs="*", default=parts, choices=parts)
     args = p.parse_args()
     cpu = args.device == "cpu"
     opts = {"backend": args.backend, "device": args.device, "batch": args.batch,
@@ -362,6 +419,9 @@ def main() -> None:
             if part == "hook_steps":
                 report[part] = run_part("hook_steps", opts, (0, 1), startup_s + 120, 30)
                 checks[part] = _hook_steps_ok(report[part])
+            elif part == "hierarchical":
+                report[part] = run_part("hierarchical", opts, (0, 1), startup_s + 60, 30)
+                checks[part] = _hierarchical_ok(report[part])
             else:
                 path = part.removeprefix("hung_")
                 report[part] = run_part(f"hung:{path}", opts, (0,),

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The 2-GPU NCCL check, for when two GPUs are lent (docs/benchmarks.md, "GPU check"):
 # benchmarks/gpu_check_nccl.py spawns two ranks on cuda:0 and cuda:1 with backend nccl: the DDP
-# hook path with comm_timeout None and 60 (lockstep, time per step), and a hung rank (does
+# hook path with comm_timeout None and 60 (lockstep, time per step), the two-level topology's
+# exchanges with both GPUs as one host (exact mean, identical ranks), and a hung rank (does
 # rank 0 raise CommunicationError before NCCL's watchdog ends it?). About 2 minutes (an
 # estimate). No pip: the package is laid out as installed in a temporary folder, as
 # benchmarks/gpu_check.sh does.
