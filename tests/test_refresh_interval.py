@@ -175,6 +175,12 @@ def test_refresh_interval_is_checked_and_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("ONEBIT_OPTIMIZER", "zero_one_adam")
     with pytest.raises(ValueError, match="ONEBIT_REFRESH_INTERVAL is 1-bit Adam's"):
         settings_from_env()
+    # Unset, the other members are made from the environment without it.
+    monkeypatch.delenv("ONEBIT_REFRESH_INTERVAL")
+    ZeroOneAdam(params, **settings_from_env().member_options(10))
+    monkeypatch.setenv("ONEBIT_OPTIMIZER", "onebit_lamb")
+    monkeypatch.setenv("ONEBIT_FREEZE_STEP", "5")
+    OneBitLamb(params, **settings_from_env().member_options(10))
 
 
 def _disagree(rank, world):

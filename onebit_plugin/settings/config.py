@@ -280,9 +280,10 @@ class EnvSettings:
         """The keyword arguments of the member's constructor beside its hyperparameters (0/1
         Adam's are its schedule and the family's options; its exact stage is its own)."""
         options = self.config.replace(total_steps=total_steps).options()
+        if self.optimizer != "onebit_adam":  # 1-bit Adam's alone (None: settings_from_env)
+            del options["refresh_interval"]
         if self.optimizer == "zero_one_adam":
-            del options["freeze_step"], options["compress_momentum"], \
-                options["refresh_interval"]
+            del options["freeze_step"], options["compress_momentum"]
             options.update(var_freeze_step=self.var_freeze_step,
                            local_step_scaler=self.local_step_scaler)
         return options
