@@ -107,6 +107,24 @@ def _assert_equal(a, b, msg):
         assert a == b, msg
 
 
+def counting_collectives(world: int, sent: list) -> tuple:
+    """Wrap torch's collectives to count in ``sent[0]`` the bytes this rank hands to other
+    ranks: an all-to-all's rows for the others, a ring allreduce's 2 (W - 1) / W. Returns the
+    real functions, to be put back (``dist.all_to_all_single, dist.all_reduce = real``)."""
+    real = dist.all_to_all_single, dist.all_reduce
+
+    def all_to_all_single(out, inp, *args, **kwargs):
+        sent[0] += inp.nbytes * (world - 1) // world
+        return real[0](out, inp, *args, **kwargs)
+
+    def all_reduce(tensor, *args, **kwargs):
+        sent[0] += 2 * (world - 1) * tensor.nbytes // world
+        return real[1](tensor, *args, **kwargs)
+
+    dist.all_to_all_single, dist.all_reduce = all_to_all_single, all_reduce
+    return real
+
+
 def save_for_resume(path: str, rank: int, model, opt, step: int) -> None:
     """This rank's model, optimizer and step count in ``<path>.<rank>``."""
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step},

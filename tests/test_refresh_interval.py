@@ -10,7 +10,13 @@ import torch.distributed as dist
 
 from onebit_plugin import OneBitAdam, OneBitLamb, ZeroOneAdam, register_onebit_hook
 from onebit_plugin.settings.config import settings_from_env
-from tests.dist_helpers import assert_ranks_identical, run_ranks
+from tests.dist_helpers import (
+    assert_ranks_identical,
+    counting_collectives,
+    resume,
+    run_ranks,
+    save_for_resume,
+)
 
 FREEZE, EVERY = 4, 3  # refreshes at steps 6, 9, 12, ...
 
@@ -33,24 +39,9 @@ def _train(rank, world, ddp, steps, every=EVERY, bits=32, save=None, load=None):
     if ddp:
         net = torch.nn.parallel.DistributedDataParallel(model)
         register_onebit_hook(net, opt)
-    start = 0
-    if load is not None:
-        saved = torch.load(f"{load}.{rank}", weights_only=True)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        start = saved["step"]
-    real = dist.all_to_all_single, dist.all_reduce
+    start = resume(load, rank, model, opt)
     sent = [0]
-
-    def all_to_all_single(out, inp, *args, **kwargs):
-        sent[0] += inp.nbytes * (world - 1) // world
-        return real[0](out, inp, *args, **kwargs)
-
-    def all_reduce(tensor, *args, **kwargs):
-        sent[0] += 2 * (world - 1) * tensor.nbytes // world
-        return real[1](tensor, *args, **kwargs)
-
-    dist.all_to_all_single, dist.all_reduce = all_to_all_single, all_reduce
+    real = counting_collectives(world, sent)
     after, per_step, variances = [], [], []
     try:
         for step in range(start, steps):
@@ -63,8 +54,7 @@ def _train(rank, world, ddp, steps, every=EVERY, bits=32, save=None, load=None):
             after.append([p.detach().clone() for p in model.parameters()])
             variances.append([opt.state[p]["exp_avg_sq"].clone() for p in model.parameters()])
             if save is not None and step + 1 == save[1]:
-                torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                            "step": step + 1}, f"{save[0]}.{rank}")
+                save_for_resume(save[0], rank, model, opt, step + 1)
     finally:
         dist.all_to_all_single, dist.all_reduce = real
     return after, per_step, variances

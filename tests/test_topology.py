@@ -15,7 +15,7 @@ from onebit_plugin import OneBitAdam, OneBitLamb, ZeroOneAdam, register_onebit_h
 from onebit_plugin.comm.allreduce import OneBitAllreduce
 from onebit_plugin.comm.hierarchical import HierarchicalAllreduce, two_level_mean_
 from onebit_plugin.settings.config import settings_from_env
-from tests.dist_helpers import assert_ranks_identical, run_ranks
+from tests.dist_helpers import assert_ranks_identical, resume, run_ranks, save_for_resume
 
 LOCAL = 2
 
@@ -90,12 +90,7 @@ def _train(rank, world, member, topology, ddp, steps, save=None, load=None, loca
     if ddp:
         net = torch.nn.parallel.DistributedDataParallel(model)
         register_onebit_hook(net, opt)
-    start = 0
-    if load is not None:
-        saved = torch.load(f"{load}.{rank}", weights_only=True)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        start = saved["step"]
+    start = resume(load, rank, model, opt)
     counts = {"cross": 0, "host": 0}
     per_step, after = [], []
     real = _counting(world, counts)
@@ -109,8 +104,7 @@ def _train(rank, world, member, topology, ddp, steps, save=None, load=None, loca
             per_step.append({k: counts[k] - before[k] for k in counts})
             after.append([p.detach().clone() for p in model.parameters()])
             if save is not None and step + 1 == save[1]:
-                torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                            "step": step + 1}, f"{save[0]}.{rank}")
+                save_for_resume(save[0], rank, model, opt, step + 1)
     finally:
         _restore(real)
     errors = [u.errors.get("worker") for u in opt.units]

@@ -19,7 +19,7 @@ from onebit_plugin.comm.quantized import QuantizedAverage
 from onebit_plugin.entry.deepspeed_config import from_deepspeed_config
 from onebit_plugin.settings.config import settings_from_env
 from onebit_plugin.wire.quantize import QuantLayout, average_quantize, dequantize, quantize
-from tests.dist_helpers import assert_ranks_identical, run_ranks
+from tests.dist_helpers import assert_ranks_identical, counting_collectives, run_ranks
 
 BACKENDS = ("torch", "cpu", "triton")
 
@@ -122,28 +122,11 @@ def test_the_layout_pads_little_and_scales_are_a_small_share():
     assert QuantLayout.create(10_000, 3, 2048).padded_numel == 10_032
 
 
-def _counting(world: int, sent: list) -> tuple:
-    """Wrap torch's collectives to count the bytes this rank hands to other ranks: an
-    all-to-all's rows for the others, a ring allreduce's 2 (W - 1) / W."""
-    real = dist.all_to_all_single, dist.all_reduce
-
-    def all_to_all_single(out, inp, *args, **kwargs):
-        sent[0] += inp.nbytes * (world - 1) // world
-        return real[0](out, inp, *args, **kwargs)
-
-    def all_reduce(tensor, *args, **kwargs):
-        sent[0] += 2 * (world - 1) * tensor.nbytes // world
-        return real[1](tensor, *args, **kwargs)
-
-    dist.all_to_all_single, dist.all_reduce = all_to_all_single, all_reduce
-    return real
-
-
 def _average_on_ranks(rank, world, bits, numel):
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(numel, generator=g) * (rank + 1)
     sent = [0]
-    real = _counting(world, sent)
+    real = counting_collectives(world, sent)
     try:
         flat = x.clone()
         reported = QuantizedAverage(bits, 2048).average_(flat, None, world, None)
@@ -194,7 +177,7 @@ def _train(rank, world, member, bits, ddp, steps, nonfinite_at=None, save=None, 
         opt.load_state_dict(saved["opt"])
         start = saved["step"]
     sent, after, grads = [0], [], []
-    real = _counting(world, sent)
+    real = counting_collectives(world, sent)
     try:
         for step in range(start, steps):
             g = torch.Generator().manual_seed(1000 * step + rank)
