@@ -4,6 +4,8 @@ of frozen for good (issue 44). Bytes are counted at torch's collectives, not by 
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -200,3 +202,34 @@ def test_the_switch_line_says_the_variance_is_refreshed():
     assert opt.switch_message().endswith(
         "from step 3 on (the variance refreshed on every step that is a multiple of 16, in "
         "32-bit like the warm-up)")
+
+
+def test_refresh_interval_added_on_resume_rebuilds_the_variance_from_the_denominator(caplog):
+    model = _model()
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=FREEZE)
+    for step in range(6):
+        x, y = _batch(step, 0)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    saved = opt.state_dict()
+    assert "exp_avg_sq" not in saved["state"][0]  # the frozen denominator instead
+    denom = saved["state"][0]["frozen_denominator"].clone()
+    again = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=FREEZE, refresh_interval=EVERY)
+    again.load_state_dict(saved)
+    with caplog.at_level(logging.WARNING, logger="onebit_plugin"):
+        for step in range(6, 9):  # steps 7-9, the last a refresh
+            x, y = _batch(step, 0)
+            again.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            again.step()
+    assert caplog.text.count("the variance is rebuilt from the saved frozen denominator") == 1
+    state = again.state[model[0].weight]
+    assert state["frozen_step"] == 9.0 and "frozen_denominator" not in state
+    # The variance rebuilt from the saved denominator, then the step-9 refresh on its gradient
+    # (one process: the gradient is this process's own).
+    b2, gap = 0.999, 9.0 - FREEZE
+    g = model[0].weight.grad
+    rebuilt = (denom - 1e-8).clamp(min=0).square() * (1 - b2**FREEZE)
+    expect = rebuilt * b2**gap + (1 - b2**gap) * g * g
+    torch.testing.assert_close(state["exp_avg_sq"], expect, rtol=1e-5, atol=0)

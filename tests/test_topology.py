@@ -284,6 +284,16 @@ def test_topology_is_checked_and_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("ONEBIT_TOPOLOGY", "tree")
     with pytest.raises(ValueError, match="ONEBIT_TOPOLOGY must be one of"):
         settings_from_env()
+    from onebit_plugin import CompressedAllreduce
+    from onebit_plugin.entry.deepspeed_config import from_deepspeed_config
+
+    with pytest.raises(ValueError, match="topology must be one of"):
+        CompressedAllreduce(10, topology="bogus")
+    with pytest.raises(ValueError, match="local_world_size must be an int >= 1"):
+        CompressedAllreduce(10, local_world_size=0)
+    opt = from_deepspeed_config(params, {"optimizer": {"type": "OneBitAdam", "params": {
+        "lr": 1e-3, "freeze_step": 3, "topology": "flat", "refresh_interval": 8}}})
+    assert (opt.config.topology, opt.config.refresh_interval) == ("flat", 8)
 
 
 def _standalone(rank, world):

@@ -85,8 +85,9 @@ class FlatTopology:
     def learn_local_world_size(self, local: int) -> None:
         """An integration's ranks per host (``OneBitOptimizer.set_local_world_size``)."""
 
-    def describe(self) -> str:
-        """The layout, as checkpoints record it: error buffers of another do not fit."""
+    def describe(self, settle: bool = True) -> str:
+        """The layout, as checkpoints record it: error buffers of another do not fit.
+        ``settle=False``: not settled now for it (a warm-up state holds no errors)."""
         return "flat"
 
     def agreement(self) -> dict[str, int]:
@@ -133,6 +134,9 @@ class HierarchicalTopology(FlatTopology):
                                  f"{os.environ['LOCAL_WORLD_SIZE']!r}") from None
         problem = None
         if world <= 1:
+            if self.wanted == "hierarchical" and rank == 0:
+                log.warning("onebit: topology='hierarchical' in a single process: nothing is "
+                            "exchanged, so there is nothing to lay out (flat)")
             return 0, 0
         if local is None:
             problem = ("the ranks per host are not known: pass local_world_size= (torchrun "
@@ -210,7 +214,9 @@ class HierarchicalTopology(FlatTopology):
         return HierarchicalAllreduce(inner, self.comm_group(timeout, device), host_group,
                                      local, timeout=timeout)
 
-    def describe(self) -> str:
+    def describe(self, settle: bool = True) -> str:
+        if not settle and self._layout is None:
+            return f"{self.wanted}, not settled"
         local, hosts = self.layout()
         return f"hierarchical {hosts}x{local}" if local else "flat"
 

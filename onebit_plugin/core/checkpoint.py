@@ -45,7 +45,10 @@ def onebit_state(opt) -> dict:
             "clipping": opt.handoff.sketch is not None, "units": units,
             "local_steps": opt.policy.rank_state(opt), "syncs": opt.syncs,
             "variance_clock": "steps", "sent": opt.policy.exchange.sent,
-            "warmup_bits": opt.config.warmup_bits, "topology": opt.topology.describe()}
+            "warmup_bits": opt.config.warmup_bits,
+            # Settled for a compression-stage state (its errors are laid out by it); a warm-up
+            # state holds no errors, and settling it there would raise a layout's error early.
+            "topology": opt.topology.describe(settle=opt.switch_step is not None)}
 
 
 def load_state(opt, state_dict: dict, torch_load) -> None:

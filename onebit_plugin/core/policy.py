@@ -21,6 +21,7 @@ clipping, rank checks, checkpoints):
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 
@@ -35,6 +36,8 @@ from onebit_plugin.maths.freeze import CEILING
 from onebit_plugin.maths.update import adam_update_, frozen_update_
 from onebit_plugin.settings.step_kinds import EXACT, MOMENTUM
 from onebit_plugin.wire.deferred import as_fp32
+
+log = logging.getLogger("onebit_plugin")
 
 __all__ = ["AdamPolicy", "ExactMomentum", "Exchange", "OneBitMomentum", "OverDenominator",
            "Policy"]
@@ -279,6 +282,22 @@ class AdamPolicy(Policy):
             return EXACT
         return MOMENTUM
 
+    _said_rebuilt = False
+
+    def _rebuild_variance(self, state: dict, beta2: float, eps: float) -> None:
+        """A checkpoint saved without refreshes holds the frozen denominator, not the
+        variance: the variance is rebuilt from it, ``v = (denom - eps)**2 * (1 - b2**n)``
+        (to rounding), said once."""
+        denom = state.pop("frozen_denominator")
+        state["exp_avg_sq"] = (denom - eps).clamp_(min=0.0).square_().mul_(
+            1 - beta2 ** state["frozen_step"])
+        if not self._said_rebuilt:
+            self._said_rebuilt = True
+            log.warning("onebit: refresh_interval on a state saved without it: the variance "
+                        "is rebuilt from the saved frozen denominator (to rounding) at the "
+                        "first refresh; the run goes on from there, not bit for bit as one "
+                        "that refreshed from the start")
+
     def after_freeze(self, config) -> str:
         if self.refresh_interval is None:
             return ""
@@ -303,6 +322,9 @@ class AdamPolicy(Policy):
 
     def refresh_moments_(self, group, params, grads, states, exp_avgs) -> None:
         beta1, beta2 = group["betas"]
+        for s in states:
+            if "exp_avg_sq" not in s:
+                self._rebuild_variance(s, beta2, group["eps"])
         g = [as_fp32(x) for x in grads]
         if group["weight_decay"] != 0 and not group["decoupled_weight_decay"]:
             g = torch._foreach_add(g, [as_fp32(p) for p in params], alpha=group["weight_decay"])

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from onebit_plugin.comm.allreduce import OneBitAllreduce
 from onebit_plugin.comm.collectives import comm_executor, resolve_device
 from onebit_plugin.comm.topology import make_topology
+from onebit_plugin.settings.config import check_settings
 from onebit_plugin.wire.compression import ChunkLayout
 
 __all__ = ["CompressedAllreduce", "compressed_allreduce"]
@@ -42,6 +43,7 @@ class CompressedAllreduce:
                  device: torch.device | str | None = None,
                  timeout: float | timedelta | None = None, error_dtype: str = "float32",
                  topology: str = "auto", local_world_size: int | None = None):
+        check_settings({"topology": topology, "local_world_size": local_world_size})
         self.device = resolve_device(device)
         self.topology = make_topology(group, topology, local_world_size)
         if isinstance(timeout, int | float):

@@ -352,10 +352,11 @@ def settings_from_env() -> EnvSettings | None:
         topology=os.environ.get("ONEBIT_TOPOLOGY", "").strip() or "auto",
     )
     if fields["refresh_interval"] is not None and member != "onebit_adam":
-        raise ValueError(
-            f"ONEBIT_REFRESH_INTERVAL is 1-bit Adam's (ONEBIT_OPTIMIZER=onebit_adam): "
-            f"{member} refreshes no frozen variance that way (0/1 Adam's refreshes follow "
-            "its own schedule, ONEBIT_VAR_FREEZE_STEP); unset it")
+        why = ("0/1 Adam's refreshes follow its own schedule, ONEBIT_VAR_FREEZE_STEP"
+               if member == "zero_one_adam" else "1-bit LAMB's frozen variance has no "
+               "refreshes")
+        raise ValueError(f"ONEBIT_REFRESH_INTERVAL is 1-bit Adam's (ONEBIT_OPTIMIZER="
+                         f"onebit_adam): {why}; unset it")
     overlap = flag("ONEBIT_OVERLAP", "1")
     flag("ONEBIT_CPU_KERNEL", "1")  # read when the CPU kernel is first used; checked here
     check_settings(fields, _FIELD_VARIABLES)  # the same check, naming the variables

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 __all__ = ["MEMBERS", "Member", "member_named", "member_of_deepspeed_type"]
 
-# DeepSpeed's hyperparameters of every member, and this package's one key beside them:
+# DeepSpeed's hyperparameters of every member, and this package's keys beside them:
 # "warmup_bits", the bits per value of the full-precision steps (DeepSpeed sent them in the
-# engine's fp32 or fp16 allreduce; a config without it means 32).
-_COMMON = ("lr", "betas", "eps", "weight_decay", "warmup_bits")
+# engine's fp32 or fp16 allreduce; a config without it means 32), and the topology's
+# (DeepSpeed's exchange was flat).
+_COMMON = ("lr", "betas", "eps", "weight_decay", "warmup_bits", "topology", "local_world_size")
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class Member:
 
 MEMBERS: dict[str, Member] = {m.name: m for m in (
     Member("onebit_adam", "onebit_plugin.members.onebit_adam:OneBitAdam", "onebitadam",
-           (*_COMMON, "freeze_step"),
+           (*_COMMON, "freeze_step", "refresh_interval"),
            # DeepSpeed's weight decay was added to the update, as AdamW's (decoupled).
            {"freeze_step": 100000, "decoupled_weight_decay": True}),
     Member("zero_one_adam", "onebit_plugin.members.zero_one_adam:ZeroOneAdam", "zerooneadam",
