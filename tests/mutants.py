@@ -555,6 +555,26 @@ MUTANTS = [
        "get_close_matches(key, [*own, *FamilyOptions.__annotations__], n=1)",
        "get_close_matches(key, list(FamilyOptions.__annotations__), n=1)",
        "tests/test_bad_input.py::test_a_misspelt_member_argument_names_the_members_own_nearest"),
+    # issue 44: refresh_interval
+    _m("refresh-weighs-one-step", "issue 44: refresh_interval", "onebit_plugin/core/policy.py",
+       '            gap = max(float(s["step"]) + 1.0 - s["frozen_step"], 1.0)\n',
+       "            gap = 1.0\n",
+       "tests/test_refresh_interval.py::test_a_refresh_weighs_the_steps_it_stands_for"),
+    _m("refresh-on-the-wrong-steps", "issue 44: refresh_interval", "onebit_plugin/core/policy.py",
+       "t % self.refresh_interval == 0:", "t % self.refresh_interval == 1:",
+       "tests/test_refresh_interval.py::"
+       "test_refreshes_keep_ranks_identical_and_send_a_warmup_step_every_interval"),
+    # issue 46: two levels
+    _m("host-mean-not-divided", "issue 46: two levels", "onebit_plugin/comm/hierarchical.py",
+       "        part.div_(local * hosts)\n", "        part.div_(hosts)\n",
+       "tests/test_topology.py::"
+       "test_the_exact_two_level_mean_sums_in_host_then_local_rank_order"),
+    _m("hierarchical-skip-not-told-to-the-host", "issue 46: two levels",
+       "onebit_plugin/comm/hierarchical.py",
+       "        flag = torch.tensor([float(ok)], device=plan.device)\n",
+       "        flag = torch.tensor([1.0], device=plan.device)\n",
+       "tests/test_topology.py::"
+       "test_the_two_level_1_bit_average_is_the_same_everywhere_and_unbiased_over_calls"),
 ]
 
 def _copy_tree(dest: Path) -> None:
