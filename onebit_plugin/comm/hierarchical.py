@@ -1,7 +1,8 @@
 """Two levels: exact inside a host, the wrapped communicator across hosts (issue 46).
 
 Ranks are numbered host by host, ``L`` per host, ``H`` hosts (``topology.HierarchicalTopology``).
-A tensor of ``n`` values is cut into ``L`` slices of ``s = ceil(n / L)``:
+A tensor of ``n`` values is cut into ``L`` slices of ``n / L`` values, as equal as can be
+(:func:`cut`; slice ``k`` has ``s`` values):
 
 1. inside the host, slice ``k`` of every local rank goes to local rank ``k`` (one all-to-all),
    which sums them in local-rank order and divides by ``L``: the host's exact mean of its slice;

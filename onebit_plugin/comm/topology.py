@@ -29,17 +29,14 @@ import torch
 import torch.distributed as dist
 
 from onebit_plugin.comm.collectives import group_size_and_rank, new_group, new_group_of
-from onebit_plugin.settings.config import TOPOLOGIES
 
-__all__ = ["TOPOLOGIES", "FlatTopology", "HierarchicalTopology", "make_topology"]
+__all__ = ["FlatTopology", "HierarchicalTopology", "make_topology"]
 
 log = logging.getLogger("onebit_plugin")
 
 
 class FlatTopology:
     """Every rank of ``process_group`` (None: the world, when initialised) in one exchange."""
-
-    kind = "flat"
 
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
         self.process_group = process_group
@@ -107,8 +104,6 @@ class HierarchicalTopology(FlatTopology):
     Groups (made at the first use, by every rank for the two groups it is in, each with the
     optimizer's timeout): its host's ranks, and the ranks of its local rank on every host."""
 
-    kind = "hierarchical"
-
     def __init__(self, process_group, local_world_size: int | None, wanted: str) -> None:
         super().__init__(process_group)
         self.wanted, self.asked_local = wanted, local_world_size
@@ -132,12 +127,16 @@ class HierarchicalTopology(FlatTopology):
             except ValueError:
                 raise ValueError(f"LOCAL_WORLD_SIZE must be an integer, got "
                                  f"{os.environ['LOCAL_WORLD_SIZE']!r}") from None
-        problem = None
         if world <= 1:
             if self.wanted == "hierarchical" and rank == 0:
                 log.warning("onebit: topology='hierarchical' in a single process: nothing is "
                             "exchanged, so there is nothing to lay out (flat)")
             return 0, 0
+        if local is None and self.wanted == "auto":
+            # Nothing says where the hosts are (no torchrun): flat, as before the option;
+            # docs/usage.md says to give local_world_size= there.
+            return 0, 0
+        problem = None
         if local is None:
             problem = ("the ranks per host are not known: pass local_world_size= (torchrun "
                        "sets LOCAL_WORLD_SIZE)")
@@ -159,11 +158,6 @@ class HierarchicalTopology(FlatTopology):
                            "more than one host and more than one rank per host")
             else:
                 return 0, 0  # auto: one level has nothing to gain, and costs nothing
-        if local is None and self.wanted == "auto":
-            # Nothing says where the hosts are (no torchrun): flat, as before the option;
-            # docs/usage.md says to give local_world_size= there.
-            log.debug("onebit: topology='auto' without local_world_size: flat")
-            return 0, 0
         if problem is not None:
             if self.wanted == "hierarchical":
                 raise ValueError(f"topology='hierarchical': {problem}; or topology='flat'")
@@ -176,10 +170,6 @@ class HierarchicalTopology(FlatTopology):
                      "exactly inside each host and across hosts by local rank",
                      self.wanted, world // local, local)
         return local, world // local
-
-    @property
-    def hierarchical(self) -> bool:
-        return self.layout()[0] > 1
 
     def levels(self, timeout, device):
         """``(host_group, cross_group, local_world_size, hosts)``, the groups made at the first
@@ -231,7 +221,8 @@ class HierarchicalTopology(FlatTopology):
 
 def make_topology(process_group, topology: str = "auto", local_world_size: int | None = None
                   ) -> FlatTopology:
-    """The topology object of ``topology`` (``TOPOLOGIES``) over ``process_group``."""
+    """The topology object of ``topology`` (``settings.config.TOPOLOGIES``) over
+    ``process_group``."""
     if topology == "flat":
         return FlatTopology(process_group)
     return HierarchicalTopology(process_group, local_world_size, topology)

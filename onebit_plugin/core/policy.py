@@ -264,10 +264,11 @@ class AdamPolicy(Policy):
     ``refresh_interval=N``: the variance does not stay frozen; every compression-stage step
     ``t`` with ``t % N == 0`` is a refresh instead of a 1-bit step (the gradients averaged in
     ``warmup_bits``, the momentum and the variance updated from them, the refresh weighing the
-    ``N`` steps it stands for: :meth:`refresh_moments_`). Why: under a constant learning rate
-    the gradients keep growing after the freeze (``char_mlp``: per tensor, the mean of Adam's
-    ``sqrt(v)`` 1.36-2.81x larger at step 2,000 than at step 400), so a frozen denominator
-    lets the steps grow up to the bound (docs/benchmarks.md, "Accuracy over long runs")."""
+    steps since the variance last changed, ``N`` or fewer for the first after the freeze:
+    :meth:`refresh_moments_`). Why: under a constant learning rate the gradients keep growing
+    after the freeze (``char_mlp``: per tensor, the mean of Adam's ``sqrt(v)`` 1.36-2.81x
+    larger at step 2,000 than at step 400), so a frozen denominator lets the steps grow up to
+    the bound (docs/benchmarks.md, "Wider workloads (issue 44)")."""
 
     def __init__(self, exchange: Exchange, refresh_interval: int | None = None):
         super().__init__(exchange)

@@ -73,7 +73,7 @@ class OneBitAdam(OneBitOptimizer):
             every compression-stage step ``t`` with ``t % N == 0`` refreshes it instead of
             sending 1-bit momentum: the gradients are averaged in ``warmup_bits`` bits (as in
             the warm-up, with the DDP hook or without), the momentum and the variance take
-            them (the variance weighing them as the ``N`` steps they stand for) and the
+            them (the variance weighing them as the steps since it last changed) and the
             denominator follows. Costs ``exp_avg_sq`` kept (4 bytes per value) and a warm-up
             step's bytes every ``N`` steps (docs/usage.md, "A variance that follows").
         comm_timeout: seconds any of OneBitAdam's collectives may take before ``step()`` raises
