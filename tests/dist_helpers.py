@@ -140,3 +140,57 @@ def resume(path: str | None, rank: int, model, opt) -> int:
     model.load_state_dict(saved["model"])
     opt.load_state_dict(saved["opt"])
     return saved["step"]
+
+
+def _members(group) -> list[int]:
+    return dist.get_process_group_ranks(group) if group is not None else \
+        list(range(dist.get_world_size()))
+
+
+def counting_by_host(local: int, counts: dict) -> tuple:
+    """Wrap the collectives: bytes this rank sends to other ranks, ``cross`` those to a rank on
+    another host (host = rank // ``local``), ``host`` the rest. An all-to-all sends one row to
+    each other member; gloo's allreduce and all-gather are rings, each rank sending to the next
+    member only (2 (W - 1) / W of the tensor, and W - 1 parts); a reduce-scatter, (W - 1) / W
+    of its input to the next. Returns the real functions for :func:`restore_collectives`."""
+    real = (dist.all_to_all_single, dist.all_reduce, dist.all_gather_into_tensor,
+            dist.reduce_scatter_tensor)
+
+    def add(group, nbytes: int, ring: bool) -> None:
+        members, me = _members(group), dist.get_rank()
+        size = len(members)
+        if ring:
+            after = members[(members.index(me) + 1) % size]
+            counts["cross" if after // local != me // local else "host"] += nbytes
+            return
+        for other in members:
+            if other != me:
+                counts["cross" if other // local != me // local else "host"] += nbytes // size
+
+    def all_to_all_single(out, inp, *args, group=None, **kwargs):
+        add(group, inp.nbytes, ring=False)
+        return real[0](out, inp, *args, group=group, **kwargs)
+
+    def all_reduce(tensor, *args, group=None, **kwargs):
+        size = dist.get_world_size(group)
+        add(group, 2 * (size - 1) * tensor.nbytes // size, ring=True)
+        return real[1](tensor, *args, group=group, **kwargs)
+
+    def all_gather_into_tensor(out, inp, *args, group=None, **kwargs):
+        add(group, inp.nbytes * (dist.get_world_size(group) - 1), ring=True)
+        return real[2](out, inp, *args, group=group, **kwargs)
+
+    def reduce_scatter_tensor(out, inp, *args, group=None, **kwargs):
+        size = dist.get_world_size(group)
+        add(group, inp.nbytes * (size - 1) // size, ring=True)
+        return real[3](out, inp, *args, group=group, **kwargs)
+
+    (dist.all_to_all_single, dist.all_reduce, dist.all_gather_into_tensor,
+     dist.reduce_scatter_tensor) = (all_to_all_single, all_reduce, all_gather_into_tensor,
+                                    reduce_scatter_tensor)
+    return real
+
+
+def restore_collectives(real) -> None:
+    (dist.all_to_all_single, dist.all_reduce, dist.all_gather_into_tensor,
+     dist.reduce_scatter_tensor) = real

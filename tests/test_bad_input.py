@@ -117,23 +117,6 @@ def test_deepspeed_zero_partitioned_parameters():
         OneBitAdam([p], freeze_step=5)
 
 
-def _fsdp_worker(rank, world):
-    from torch.distributed.fsdp import fully_shard
-
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
-    fully_shard(model)
-    try:
-        OneBitAdam(model.parameters(), freeze_step=5)
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
-
-
-def test_fsdp_sharded_parameters():
-    message = run_ranks(_fsdp_worker, 2)[0]
-    assert "FSDP2/DTensor-sharded parameters" in message and "Lightning" in message
-
-
 def _mismatch_worker(rank, world):
     model = nn.Linear(4, 2)
     opt = OneBitAdam(model.parameters(), lr=1e-3, freeze_step=10 if rank == 0 else 12)

@@ -9,13 +9,19 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from onebit_plugin import OneBitAdam, OneBitLamb, ZeroOneAdam, register_onebit_hook
 from onebit_plugin.comm.allreduce import OneBitAllreduce
 from onebit_plugin.comm.hierarchical import HierarchicalAllreduce, two_level_mean_
 from onebit_plugin.settings.config import settings_from_env
-from tests.dist_helpers import assert_ranks_identical, resume, run_ranks, save_for_resume
+from tests.dist_helpers import (
+    assert_ranks_identical,
+    counting_by_host,
+    restore_collectives,
+    resume,
+    run_ranks,
+    save_for_resume,
+)
 
 LOCAL = 2
 
@@ -28,51 +34,6 @@ def _model():
 def _batch(step: int, rank: int):
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randn(16, 24, generator=g), torch.randn(16, 5, generator=g)
-
-
-def _members(group) -> list[int]:
-    return dist.get_process_group_ranks(group) if group is not None else \
-        list(range(dist.get_world_size()))
-
-
-def _counting(world: int, counts: dict) -> tuple:
-    """Wrap the collectives: bytes this rank sends to other ranks, ``cross`` those to a rank on
-    another host (host = rank // L), ``host`` the rest. An all-to-all sends one row to each
-    other member; gloo's allreduce and all-gather are rings, each rank sending to the next
-    member only (2 (W - 1) / W of the tensor, and W - 1 parts)."""
-    real = dist.all_to_all_single, dist.all_reduce, dist.all_gather_into_tensor
-
-    def add(group, nbytes: int, ring: bool) -> None:
-        members, me = _members(group), dist.get_rank()
-        size = len(members)
-        if ring:
-            after = members[(members.index(me) + 1) % size]
-            counts["cross" if after // LOCAL != me // LOCAL else "host"] += nbytes
-            return
-        for other in members:
-            if other != me:
-                counts["cross" if other // LOCAL != me // LOCAL else "host"] += nbytes // size
-
-    def all_to_all_single(out, inp, *args, group=None, **kwargs):
-        add(group, inp.nbytes, ring=False)
-        return real[0](out, inp, *args, group=group, **kwargs)
-
-    def all_reduce(tensor, *args, group=None, **kwargs):
-        size = dist.get_world_size(group)
-        add(group, 2 * (size - 1) * tensor.nbytes // size, ring=True)
-        return real[1](tensor, *args, group=group, **kwargs)
-
-    def all_gather_into_tensor(out, inp, *args, group=None, **kwargs):
-        add(group, inp.nbytes * (dist.get_world_size(group) - 1), ring=True)
-        return real[2](out, inp, *args, group=group, **kwargs)
-
-    dist.all_to_all_single, dist.all_reduce, dist.all_gather_into_tensor = (
-        all_to_all_single, all_reduce, all_gather_into_tensor)
-    return real
-
-
-def _restore(real) -> None:
-    dist.all_to_all_single, dist.all_reduce, dist.all_gather_into_tensor = real
 
 
 def _train(rank, world, member, topology, ddp, steps, save=None, load=None, local=LOCAL):
@@ -93,7 +54,7 @@ def _train(rank, world, member, topology, ddp, steps, save=None, load=None, loca
     start = resume(load, rank, model, opt)
     counts = {"cross": 0, "host": 0}
     per_step, after = [], []
-    real = _counting(world, counts)
+    real = counting_by_host(LOCAL, counts)
     try:
         for step in range(start, steps):
             x, y = _batch(step, rank)
@@ -106,7 +67,7 @@ def _train(rank, world, member, topology, ddp, steps, save=None, load=None, loca
             if save is not None and step + 1 == save[1]:
                 save_for_resume(save[0], rank, model, opt, step + 1)
     finally:
-        _restore(real)
+        restore_collectives(real)
     errors = [u.errors.get("worker") for u in opt.units]
     return (after, per_step, opt.topology.describe(),
             sum(e.numel() for e in errors if e is not None), type(opt.communicator).__name__)

@@ -11,12 +11,9 @@ compression error (Tang et al., 2021, Theorem 1). How each step's values cross r
 step's exchange's, which the policy chooses (``onebit_plugin.core.exchanges``); the step driver
 asks for it and calls it.
 
-Around that, shared by every member: the settings (``onebit_plugin.settings.config``, checked
-once), the
-hand-off with the DDP hook (``onebit_plugin.core.handoff``), clipping
-(``onebit_plugin.core.clipping``),
-rank checks (``onebit_plugin.core.rank_checks``) and checkpoints
-(``onebit_plugin.core.checkpoint``).
+Around that, shared by every member: the settings (``settings.config``, checked once), the
+hand-off with the DDP hook (``core.handoff``), clipping (``core.clipping``), rank checks
+(``core.rank_checks``), checkpoints (``core.checkpoint``) and FSDP2's shards (``comm.shards``).
 """
 
 from __future__ import annotations
@@ -31,6 +28,7 @@ from torch.optim import Optimizer
 
 from onebit_plugin.comm.allreduce import ExactAllreduce, OneBitAllreduce
 from onebit_plugin.comm.byte_counts import ByteCounts
+from onebit_plugin.comm.shards import exchange_group, localize
 from onebit_plugin.comm.topology import make_topology
 from onebit_plugin.core import checkpoint, compression_stage, rank_checks
 from onebit_plugin.core.checkpoint import Resumed
@@ -48,7 +46,7 @@ from onebit_plugin.core.policy import Policy
 from onebit_plugin.core.run_length import RunLength
 from onebit_plugin.core.skips import Skips
 from onebit_plugin.maths.freeze import AutoFreeze
-from onebit_plugin.maths.update import say_if_rounded_away
+from onebit_plugin.maths.masks import checked_masks
 from onebit_plugin.settings.config import OneBitConfig
 from onebit_plugin.wire.deferred import as_fp32
 
@@ -70,45 +68,37 @@ class OneBitOptimizer(Optimizer):
         config: the settings (``onebit_plugin.settings.config.OneBitConfig``), already checked.
         policy: what the member decides (``onebit_plugin.core.policy.Policy``).
         masks: optional ``{param: bool tensor of param's shape}``.
-        process_group: group to average over (default: the world, when initialised).
+        process_group: group to average over (default: the world, when initialised); FSDP2
+            shards': the ranks holding this shard on other hosts (``comm.shards``).
     """
 
     def __init__(self, params, defaults: dict, config: OneBitConfig, policy: Policy, *,
                  masks: dict | None = None, process_group: dist.ProcessGroup | None = None):
+        # FSDP2's DTensors are stepped through proxies over their local shards (core.shards).
+        params, self.shards = localize(params)
         super().__init__(params, defaults)
         self.config, self.policy = config, policy
-        self.topology = make_topology(process_group, config.topology, config.local_world_size)
+        process_group, topology = exchange_group(self.shards, process_group, config.topology,
+                                                 type(self).__name__, policy)
+        self.topology = make_topology(process_group, topology, config.local_world_size)
         self.auto_freeze = AutoFreeze(config.total_steps, policy.auto_ceiling) \
             if config.freeze_step == "auto" else None
-        self._masks = {}
-        for p, m in (masks or {}).items():
-            if m.shape != p.shape:
-                raise ValueError(f"a mask has shape {tuple(m.shape)}, its parameter "
-                                 f"{tuple(p.shape)}")
-            self._masks[p] = m.to(device=p.device, dtype=torch.bool)
-        rank_checks.reject_sharded(self.trainable())
-        say_if_rounded_away(self.trainable(), config.master_weights)
-        devices = {p.device for p in self.trainable()}
-        if len(devices) > 1:
-            raise ValueError(f"{type(self).__name__} needs all parameters on one device, got "
-                             f"{sorted(map(str, devices))}")
+        self._masks = checked_masks(masks, self.shards)
+        rank_checks.check_params(self.trainable(), type(self).__name__, config.master_weights)
         self.run_length = RunLength(config.total_steps)
         self.global_step = 0
         self.switch_step: int | None = None
         self.skips = Skips()  # steps skipped for a non-finite gradient
         self._unit_cap_bytes = int((config.bucket_cap_mb or DEFAULT_UNIT_MB) * 2**20)
         self.counts = ByteCounts()
-        # The compression stage's units, built at their first use (compression_stage), and
-        # what a loaded checkpoint leaves for them until then (checkpoint).
-        self.layout: UnitLayout | None = None
-        self.resumed = Resumed()
+        self.layout: UnitLayout | None = None  # the units, built at their first use
+        self.resumed = Resumed()  # what a loaded checkpoint leaves for them until then
         self.handoff = HandOff()  # what backward leaves for step(), reset once per step
         self.syncs = 0  # syncs of local steps so far
         self._said_apart = False
         self._settings_checked = False
         self.hooked_params: set | None = None  # what the DDP hook averages, once registered
-        # Set when the first step's gradients were already identical on every rank.
-        self.averaged_elsewhere = False
+        self.averaged_elsewhere = False  # the first step's gradients were identical already
         self.run_length.say_if_never(self.freeze_step, False, self._rank)
 
     # ----------------------------------------------------------------------------- properties
@@ -312,17 +302,22 @@ class OneBitOptimizer(Optimizer):
 
         ``params``, when given, must be the optimizer's trainable parameters (a clip over a
         subset has no compression-stage counterpart)."""
+        if self.shards is not None:
+            self.shards.refuse_clipping(type(self).__name__)
         trainable = self.trainable()
         check_clip_args(max_norm, norm_type, params, trainable)
         return self.exchange_for(self.global_step + 1).clip_grad_norm_(
             self, trainable, max_norm, norm_type)
 
     def clip_grad_value_(self, clip_value: float) -> None:
-        """Always a ``ValueError``: clamping the averaged gradient's coordinates has no
-        compression-stage counterpart (no rank holds that gradient, and clamping is not linear,
-        so it cannot be applied inside the averaged momentum as :meth:`clip_grad_norm_` is).
-        The integrations raise it where a user asks for clipping by value."""
+        """Always a ``ValueError`` (the integrations raise it for clipping by value): clamping
+        is not linear, so unlike :meth:`clip_grad_norm_` it has no compression-stage
+        counterpart inside the averaged momentum (no rank holds the averaged gradient)."""
         raise value_clipping_error(clip_value)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)  # and the DTensors' own, which backward accumulates into
+        self.shards is not None and self.shards.zero_grad(set_to_none)
 
     def trainable(self) -> list[torch.Tensor]:
         # Fixed order, the same on every rank: the units are cut from it.
@@ -339,7 +334,12 @@ class OneBitOptimizer(Optimizer):
                 "cannot add a parameter group in the compression stage: the compressed momentum "
                 "layout was fixed when the variance froze"
             )
-        super().add_param_group(param_group)
+        shards = getattr(self, "shards", None)
+        groups, found = localize([param_group], shards)
+        if found is not shards:
+            raise ValueError("cannot add FSDP2-sharded parameters to an optimizer of plain ones "
+                             "(nothing would average the plain ones inside a host)")
+        super().add_param_group(groups[0])
         try:
             rank_checks.check_once_each(len(self.param_groups) - 1,
                                         self.param_groups[-1]["params"])
@@ -361,6 +361,8 @@ class OneBitOptimizer(Optimizer):
         return loss
 
     def _step(self) -> None:
+        if self.shards is not None:
+            self.shards.pull_grads()
         trainable = self.trainable()
         for p in trainable:
             if p.grad is not None and p.grad.is_sparse:
@@ -409,8 +411,7 @@ class OneBitOptimizer(Optimizer):
     def _land(self, p: torch.Tensor, x: torch.Tensor) -> None:
         """``p`` (and its master copy) takes the fp32 values ``x``."""
         master = self._master(p, self.state[p]) if self.config.master_weights else None
-        if master is not None:
-            master.copy_(x)
+        master is not None and master.copy_(x)
         p.copy_(x)
 
     # ---------------------------------------------------------------------------- state dict
@@ -422,18 +423,17 @@ class OneBitOptimizer(Optimizer):
         return sd
 
     def onebit_state_dict(self) -> dict:
-        """What the per-parameter state does not hold: the stage, the switch step, byte
-        counters and this rank's error buffers, per momentum unit. Errors differ between ranks:
-        each rank must save its own (the Lightning strategy and the Accelerate flag do)."""
+        """What the per-parameter state does not hold: the stage, counters and this rank's
+        error buffers per momentum unit, which differ between ranks: each rank must save its
+        own (the Lightning strategy and the Accelerate flag do)."""
         return checkpoint.onebit_state(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         checkpoint.load_state(self, state_dict, super().load_state_dict)
 
     def load_onebit_state_dict(self, onebit: dict) -> None:
-        """Load an :meth:`onebit_state_dict` (after the per-parameter state is in place): also
-        how a rank puts back its own error buffers when the rest came from rank 0's
-        checkpoint."""
+        """Load an :meth:`onebit_state_dict` after the per-parameter state: also how a rank
+        puts back its own error buffers when the rest came from rank 0's checkpoint."""
         checkpoint.load_onebit_state(self, onebit)
 
     def _forget_layout(self) -> None:

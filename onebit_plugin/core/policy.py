@@ -249,6 +249,11 @@ class Policy:
         """The member's own settings every rank must share, as integers."""
         return {}
 
+    def check_sharded(self, owner: str) -> None:
+        """Raise where the member cannot step FSDP2 shards (``onebit_plugin.core.shards``): an
+        update that reads a whole tensor at once (a norm) would read one shard of it. The
+        Adam members' updates are elementwise: nothing to check."""
+
     def refresh_moments_(self, group: dict, params: list[torch.Tensor], grads, states,
                          exp_avgs) -> None:
         """An :data:`EXACT` compression-stage step: fold the averaged ``grads`` into the

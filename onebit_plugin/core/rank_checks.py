@@ -13,15 +13,18 @@ import torch
 import torch.distributed as dist
 
 from onebit_plugin.comm.collectives import wait_collectives
+from onebit_plugin.maths.update import say_if_rounded_away
 
-__all__ = ["check_ranks_agree", "check_reduced", "check_settings_agree", "check_trainable",
-           "grad_fingerprint", "name_params", "reject_sharded"]
+__all__ = ["check_params", "check_ranks_agree", "check_reduced", "check_settings_agree",
+           "check_trainable", "grad_fingerprint", "name_params", "reject_sharded"]
 
 log = logging.getLogger("onebit_plugin")
 
 SUPPORTED_SETUPS = (
     "plain torch.distributed (OneBitAdam averages by itself), DDP with register_onebit_hook, "
-    "Lightning strategy='onebit_adam', Accelerate with ONEBIT_ADAM=1"
+    "Lightning strategy='onebit_adam', Accelerate with ONEBIT_ADAM=1, FSDP2 over one mesh "
+    "dimension (fully_shard(m, mesh=mesh['shard'])) with process_group=mesh['replicate']"
+    ".get_group()"
 )
 
 
@@ -197,14 +200,24 @@ def _param_fingerprints(params: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(sums).cpu() if sums else torch.zeros(0, dtype=torch.int64)
 
 
+def check_params(params: list[torch.Tensor], owner: str, master_weights: bool) -> None:
+    """At construction: no parameters sharded out of sight, all on one device; parameters
+    whose dtype rounds updates away said (``update.say_if_rounded_away``)."""
+    reject_sharded(params)
+    say_if_rounded_away(params, master_weights)
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(f"{owner} needs all parameters on one device, got "
+                         f"{sorted(map(str, devices))}")
+
+
 def reject_sharded(params: list[torch.Tensor]) -> None:
-    """FSDP and DeepSpeed ZeRO hand the optimizer shards of parameters; the family averages
-    whole momenta across data-parallel ranks and would silently mix unrelated shards."""
+    """FSDP1's flat parameters and DeepSpeed ZeRO hand the optimizer shards of parameters that
+    the family cannot tell apart from whole ones; it would average unrelated shards across
+    ranks. (FSDP2's DTensors say what they are: ``onebit_plugin.core.shards`` steps them.)"""
     for p in params:
         kind = None
-        if type(p).__name__ == "DTensor" or hasattr(p, "_local_tensor"):
-            kind = "FSDP2/DTensor-sharded"
-        elif getattr(p, "_is_flat_param", False) or hasattr(p, "_fsdp_flattened"):
+        if getattr(p, "_is_flat_param", False) or hasattr(p, "_fsdp_flattened"):
             kind = "FSDP-flattened"
         elif hasattr(p, "ds_id") or hasattr(p, "ds_tensor"):
             kind = "DeepSpeed ZeRO-partitioned"

@@ -33,6 +33,8 @@ def warmup_step(opt) -> None:
                 states = [opt.state[p] or opt._init_state(p) for p in params]
                 opt.policy.warmup_update_(g, params, states, [
                     opt._master(p, s) for p, s in zip(params, states, strict=True)])
+    if opt.shards is not None and opt.shards.alone:
+        return  # nothing to compress: FSDP2 shards over every rank (comm.shards)
     if opt.policy.stage_changes(opt.global_step - opt.skipped_steps,  # applied steps
                                 lambda applied: freeze_due(opt, applied)):
         freeze(opt)

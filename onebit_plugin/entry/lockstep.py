@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from onebit_plugin.comm.shards import is_dtensor
 from onebit_plugin.members.onebit_adam import OneBitAdam
 
 __all__ = ["LockstepError", "check_lockstep", "fingerprint"]
@@ -26,7 +27,9 @@ class LockstepError(RuntimeError):
 
 def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     """Two int64 checksums of the tensor's raw bits (a plain and a position-weighted sum, both
-    wrapping): any single flipped bit changes them."""
+    wrapping): any single flipped bit changes them. A DTensor's: its local shard's."""
+    if is_dtensor(tensor):
+        tensor = tensor._local_tensor
     bits = tensor.detach().contiguous().view(-1).view(_INT_VIEW[tensor.element_size()]).long()
     weights = torch.arange(1, bits.numel() + 1, device=bits.device, dtype=torch.int64)
     return torch.stack([bits.sum(), (bits * weights).sum()])
@@ -39,10 +42,16 @@ def check_lockstep(
 ) -> None:
     """Raise :class:`LockstepError` unless every rank of ``group`` holds bit-identical
     ``params`` and (when given) the same OneBitAdam stage, step and switch step. Collective:
-    call it on every rank at the same point. A no-op without an initialised process group."""
+    call it on every rank at the same point. A no-op without an initialised process group.
+
+    FSDP2-sharded ``params`` are compared shard by shard over the ranks that replicate them:
+    ``group`` defaults to the optimizer's (``mesh["replicate"]``'s); the shards of one host
+    differ by design."""
+    params = list(params)
+    if group is None and optimizer is not None and any(map(is_dtensor, params)):
+        group = optimizer.process_group
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return
-    params = list(params)
     device = params[0].device if params else torch.device("cpu")
     rows = [fingerprint(p) for p in params]
     if optimizer is not None:

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-__all__ = ["NEGLIGIBLE_VARIANCE", "keep_mask", "negligible_root"]
+__all__ = ["NEGLIGIBLE_VARIANCE", "checked_masks", "keep_mask", "negligible_root"]
 
 # A frozen sqrt(v) below this fraction of the rms sqrt(v) over all trainable coordinates is a
 # gradient that is zero up to rounding: fp32 rounding leaves about 1e-7 of the terms' size, and
@@ -59,3 +59,17 @@ def keep_mask(params: list[torch.Tensor], denom: torch.Tensor, eps: list[float],
             out &= masks[p].reshape(-1)
         offset += p.numel()
     return keep
+
+
+def checked_masks(masks: dict | None, shards=None) -> dict:
+    """A user's ``masks={param: bool tensor of param's shape}``, checked and made bool on the
+    parameter's device; an FSDP2 parameter's (``comm.shards``) by its proxy and local shard."""
+    out = {}
+    for p, m in (masks or {}).items():
+        if shards is not None and hasattr(p, "_local_tensor"):  # a DTensor
+            p, m = shards.proxy_of(p), getattr(m, "_local_tensor", m)
+        if m.shape != p.shape:
+            raise ValueError(f"a mask has shape {tuple(m.shape)}, its parameter "
+                             f"{tuple(p.shape)}")
+        out[p] = m.to(device=p.device, dtype=torch.bool)
+    return out

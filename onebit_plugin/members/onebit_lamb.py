@@ -42,6 +42,14 @@ class LambPolicy(Policy):
     # workload the loss did not suffer (docs/benchmarks.md, "1-bit LAMB, large batch").
     auto_ceiling = 0.15
 
+    def check_sharded(self, owner: str) -> None:
+        # The trust ratio is ||w|| / ||update|| of each whole parameter: on a shard it would be
+        # the shard's ratio, a different optimizer on every rank of a host.
+        raise NotImplementedError(
+            f"{owner} with FSDP2-sharded parameters: LAMB's trust ratio needs the norms of "
+            "whole parameters, which span the host's shards and are not summed across them in "
+            "this version; OneBitAdam and ZeroOneAdam step shards (docs/limits.md)")
+
     def warmup_update_(self, group, params, states, masters) -> None:
         counts = [state["step"] for state in states]
         torch._foreach_add_(counts, 1.0)

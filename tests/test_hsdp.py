@@ -1,0 +1,224 @@
+"""The family under HSDP: FSDP2 shards each parameter over a host's ranks (the mesh's "shard"
+dimension), the optimizer exchanges each shard across hosts over the "replicate" group
+(``onebit_plugin.comm.shards``). 4 gloo ranks as 2 hosts x 2, rank // 2 the host."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from onebit_plugin import OneBitAdam, OneBitLamb, ZeroOneAdam, check_lockstep
+from tests.dist_helpers import counting_by_host, restore_collectives, run_ranks
+
+LOCAL, HOSTS = 2, 2
+
+
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (HOSTS, LOCAL), mesh_dim_names=("replicate", "shard"))
+
+
+def _model(width: int = 67) -> nn.Module:
+    torch.manual_seed(0)
+    # 67 rows shard 34/33; the last layer's single row leaves one rank of each host an empty
+    # shard of its weight and bias.
+    return nn.Sequential(nn.Linear(24, width), nn.GELU(), nn.Linear(width, 48), nn.GELU(),
+                         nn.Linear(48, 1))
+
+
+def _shard(model: nn.Module, mesh) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+    for i in (0, 2, 4):
+        fully_shard(model[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 24, generator=g), torch.randn(8, 1, generator=g)
+
+
+def _locals(model) -> list[torch.Tensor]:
+    return [p._local_tensor.detach().clone() for p in model.parameters()]
+
+
+def _optimizer(kind: str, model, group, steps: int):
+    if kind == "adam":
+        return torch.optim.Adam(model.parameters(), lr=1e-2)
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if kind == "onebit_warmup":
+        return OneBitAdam(model.parameters(), lr=1e-2, freeze_step=1000, process_group=group)
+    if kind == "onebit_warmup_w":
+        return OneBitAdam(model.parameters(), lr=1e-2, freeze_step=1000, weight_decay=0.1,
+                          decoupled_weight_decay=True, process_group=group)
+    if kind == "zero_one_warmup":  # its first 16 steps are AdamW's
+        return ZeroOneAdam(model.parameters(), lr=1e-2, weight_decay=0.1, process_group=group)
+    if kind == "onebit":
+        return OneBitAdam(model.parameters(), lr=1e-2, freeze_step=3, process_group=group)
+    return ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=6, var_update_scaler=2,
+                       local_step_scaler=4, local_step_clipper=2, total_steps=steps,
+                       process_group=group)
+
+
+def _train(rank, world, kind, steps, native=False, width=67):
+    """``steps`` steps of ``kind`` on the HSDP model; per step: every parameter's local shard,
+    the bytes this rank sent to the other host and inside its own, and whether the replicas
+    were in lockstep (``check_lockstep``, raising otherwise)."""
+    mesh = _mesh()
+    model = _shard(_model(width), mesh if native else mesh["shard"])
+    group = mesh["replicate"].get_group()
+    opt = _optimizer(kind, model, group, steps)
+    counts = {"cross": 0, "host": 0}
+    out = {"params": [], "bytes": [], "kinds": []}
+    real = counting_by_host(LOCAL, counts)
+    try:
+        for step in range(steps):
+            x, y = _batch(step, rank)
+            before = dict(counts)
+            kind_now = getattr(opt, "coming_exchange", "exact")
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            out["bytes"].append({k: counts[k] - before[k] for k in counts})
+            out["kinds"].append(kind_now)
+            out["params"].append(_locals(model))
+            if isinstance(opt, OneBitAdam | ZeroOneAdam) and not opt.between_syncs:
+                check_lockstep(model.parameters(), opt)  # over the replicate group
+    finally:
+        restore_collectives(real)
+    if hasattr(opt, "stage"):
+        out["stage"] = opt.stage
+        out["state_numel"] = sum(t.numel() for s in opt.state.values() for t in s.values()
+                                 if torch.is_tensor(t) and t.dim() > 0)
+    return out
+
+
+def _warmups(rank, world):
+    return {kind: _train(rank, world, kind, 8, native=kind in ("adam", "adamw"))
+            for kind in ("adam", "adamw", "onebit_warmup", "onebit_warmup_w", "zero_one_warmup")}
+
+
+def test_warmup_is_native_hsdp_with_torch_adam_bit_for_bit():
+    """The full-precision steps on 1-D FSDP2 shards, averaged across hosts by the optimizer,
+    give the very bits of native HSDP (a 2-D mesh) with torch's Adam and AdamW: FSDP2's
+    reduce-scatter inside the host, then the mean over the hosts, both in fp32."""
+    for rank, runs in enumerate(run_ranks(_warmups, LOCAL * HOSTS, timeout=300)):
+        for ours, theirs in (("onebit_warmup", "adam"), ("onebit_warmup_w", "adamw"),
+                             ("zero_one_warmup", "adamw")):
+            for step, (a, b) in enumerate(zip(runs[ours]["params"], runs[theirs]["params"],
+                                              strict=True)):
+                for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                    assert torch.equal(x, y), (rank, ours, step, i)
+        # The last layer's one row: one rank of each host holds all of it, the other none.
+        sizes = [p.numel() for p in runs["onebit_warmup"]["params"][0]]
+        assert sizes[4:] == ([48, 1] if rank % 2 == 0 else [0, 0]), sizes
+        # Across hosts, per step: the shard in fp32 and one fp32 has-a-gradient flag per
+        # parameter (6 here), a ring of 2 sending each value once; native HSDP's all-reduce
+        # sends the shard padded to the host's largest, so at most the flags fewer.
+        for ours, theirs in zip(runs["onebit_warmup"]["bytes"], runs["adam"]["bytes"],
+                                strict=True):
+            assert ours["cross"] == 4 * (sum(sizes) + 6), (ours, sizes)
+            assert ours["cross"] <= theirs["cross"] + 4 * 6, (ours, theirs)
+
+
+def _compression(rank, world):
+    return {"onebit": _train(rank, world, "onebit", 12, width=1024),
+            "adam": _train(rank, world, "adam", 4, native=True, width=1024),
+            "zero_one": _train(rank, world, "zero_one", 40)}
+
+
+def test_compression_stage_sends_a_shard_in_one_bit_and_keeps_the_replicas_identical():
+    runs = run_ranks(_compression, LOCAL * HOSTS, timeout=300)
+    for rank, run in enumerate(runs):
+        onebit, adam = run["onebit"], run["adam"]
+        assert onebit["stage"] == "compression"
+        adam_cross = adam["bytes"][-1]["cross"]
+        assert adam_cross > 0
+        for step in range(3, 12):  # the compression stage: 1/20 of native HSDP's or less
+            cross = onebit["bytes"][step]["cross"]
+            assert 0 < cross <= adam_cross / 20, (rank, step, cross, adam_cross)
+        # Each rank holds Adam's state of its shard alone: about half of the model's.
+        total = sum(p.numel() for p in _model(1024).parameters())
+        assert onebit["state_numel"] <= 2 * (total / LOCAL + 1024), onebit["state_numel"]
+        # 0/1 Adam: local steps send nothing across hosts, syncs and refreshes do.
+        zero = run["zero_one"]
+        for kind, b in zip(zero["kinds"], zero["bytes"], strict=True):
+            assert (b["cross"] == 0) == (kind == "local"), (kind, b)
+        assert {"exact", "momentum", "local", "sync"} <= set(zero["kinds"])
+    # Replicas (same shard, other host) identical after every step (check_lockstep ran);
+    # the host's two shards differ.
+    for a, b in ((0, 2), (1, 3)):
+        for x, y in zip(runs[a]["onebit"]["params"][-1], runs[b]["onebit"]["params"][-1],
+                        strict=True):
+            assert torch.equal(x, y)
+    assert not torch.equal(runs[0]["onebit"]["params"][-1][0][:8],
+                           runs[1]["onebit"]["params"][-1][0][:8])
+
+
+def _refusals(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = _mesh()
+    said = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            said[name] = "no error"
+        except (ValueError, NotImplementedError) as exc:
+            said[name] = f"{type(exc).__name__}: {exc}"
+
+    group = mesh["replicate"].get_group()
+    native = _shard(_model(), mesh)
+    attempt("native", lambda: OneBitAdam(native.parameters(), process_group=group, freeze_step=5))
+    sharded = _shard(_model(), mesh["shard"])
+    attempt("no group", lambda: OneBitAdam(sharded.parameters(), freeze_step=5))
+    attempt("world group", lambda: OneBitAdam(sharded.parameters(),
+                                              process_group=dist.group.WORLD, freeze_step=5))
+    attempt("lamb", lambda: OneBitLamb(sharded.parameters(), process_group=group, freeze_step=5))
+    attempt("hierarchical", lambda: OneBitAdam(sharded.parameters(), process_group=group,
+                                               topology="hierarchical", freeze_step=5))
+    opt = OneBitAdam(sharded.parameters(), process_group=group, freeze_step=5)
+    attempt("mixed", lambda: opt.add_param_group({"params": [nn.Parameter(torch.ones(2))]}))
+    x, y = _batch(0, rank)
+    nn.functional.mse_loss(sharded(x), y).backward()
+    attempt("clip", lambda: opt.clip_grad_norm_(1.0))
+    # FSDP2 over all 4 ranks: no replicas, nothing to compress: said, and torch's Adam exactly.
+    flat = init_device_mesh("cpu", (world,))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("onebit_plugin").addHandler(handler)
+    ours, theirs = _shard(_model(), flat), _shard(_model(), flat)
+    opt = OneBitAdam(ours.parameters(), lr=1e-2, freeze_step=2)
+    ref = torch.optim.Adam(theirs.parameters(), lr=1e-2)
+    for step in range(4):
+        for m, o in ((ours, opt), (theirs, ref)):
+            nn.functional.mse_loss(m(_batch(step, rank)[0]), _batch(step, rank)[1]).backward()
+            o.step()
+            o.zero_grad()
+    said["one host"] = [r.getMessage() for r in records]
+    said["one host equal"] = [torch.equal(a, b) for a, b in zip(_locals(ours), _locals(theirs),
+                                                                strict=True)]
+    said["one host sent"] = opt.bytes_sent
+    return said
+
+
+def test_what_cannot_be_stepped_is_refused_by_name():
+    runs = run_ranks(_refusals, LOCAL * HOSTS, timeout=300)
+    said = runs[0]
+    assert "2-D mesh" in said["native"] and "mesh=mesh['shard']" in said["native"], said
+    for name in ("no group", "world group"):
+        assert "would average different shards" in said[name], said[name]
+        assert "mesh['replicate'].get_group()" in said[name], said[name]
+    assert said["lamb"].startswith("NotImplementedError") and "trust ratio" in said["lamb"]
+    assert "topology='hierarchical'" in said["hierarchical"]
+    assert "plain parameters" in said["mixed"]
+    assert said["clip"].startswith("NotImplementedError") and "clip_grad_norm_" in said["clip"]
+    assert len([m for m in said["one host"] if "nothing crosses ranks" in m]) == 1, said
+    assert all(said["one host equal"]) and said["one host sent"] == 0
+    assert not [m for m in runs[1]["one host"] if "nothing crosses ranks" in m]  # rank 0 only
