@@ -7,7 +7,8 @@ error feedback on the worker and the server side, about 1/32 of an fp32 allreduc
 ``ZeroOneAdam`` refreshes the variance on a few full-precision steps instead of freezing it
 after a long warm-up, then takes local steps between 1-bit syncs. ``OneBitLamb`` is LAMB with
 the same compressed momentum. ``from_deepspeed_config`` builds any of them from a DeepSpeed
-config.
+config. The Adam members step FSDP2 shards too (HSDP: ``onebit_plugin.comm.shards``), with
+``save_sharded``/``load_sharded`` for their checkpoints.
 """
 
 from onebit_plugin.comm.allreduce import ExactAllreduce, OneBitAllreduce
@@ -18,6 +19,8 @@ from onebit_plugin.core.policy import AdamPolicy, ExactMomentum, Exchange, OneBi
 from onebit_plugin.entry.ddp_hook import OneBitHookState, onebit_hook, register_onebit_hook
 from onebit_plugin.entry.deepspeed_config import from_deepspeed_config
 from onebit_plugin.entry.lockstep import LockstepError, check_lockstep
+from onebit_plugin.entry.sharded_checkpoint import load as load_sharded
+from onebit_plugin.entry.sharded_checkpoint import save as save_sharded
 from onebit_plugin.entry.standalone import CompressedAllreduce, compressed_allreduce
 from onebit_plugin.maths.update import adam_update_, frozen_denominator, frozen_update_
 from onebit_plugin.members.onebit_adam import OneBitAdam
@@ -60,8 +63,10 @@ __all__ = [
     "frozen_denominator",
     "frozen_update_",
     "group_timeout",
+    "load_sharded",
     "onebit_hook",
     "register_onebit_hook",
+    "save_sharded",
     "settings_from_env",
     "uses_nccl",
 ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -222,3 +223,134 @@ def test_what_cannot_be_stepped_is_refused_by_name():
     assert len([m for m in said["one host"] if "nothing crosses ranks" in m]) == 1, said
     assert all(said["one host equal"]) and said["one host sent"] == 0
     assert not [m for m in runs[1]["one host"] if "nothing crosses ranks" in m]  # rank 0 only
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def _resumed(rank, world, kind, steps, stop, path, local=LOCAL):
+    """``kind`` on a mesh of (world / local) x local: the uninterrupted run's shards per step,
+    and those of a run saved after ``stop`` steps by save_sharded and resumed by load_sharded
+    into a fresh model and optimizer (of the same mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from onebit_plugin import load_sharded, save_sharded
+
+    mesh = init_device_mesh("cpu", (world // local, local), mesh_dim_names=("replicate", "shard"))
+
+    def fresh():
+        model = _shard(_model(), mesh["shard"])
+        return model, _optimizer(kind, model, mesh["replicate"].get_group(), steps)
+
+    def run(model, opt, start, end, out):
+        for step in range(start, end):
+            x, y = _batch(step, rank)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(_locals(model))
+
+    model, opt = fresh()
+    whole = []
+    run(model, opt, 0, steps, whole)
+    model, opt = fresh()
+    first = []
+    run(model, opt, 0, stop, first)
+    between = opt.between_syncs
+    save_sharded(path, model, opt)
+    model, opt = fresh()
+    load_sharded(path, model, opt)
+    resumed = []
+    run(model, opt, stop, steps, resumed)
+    return {"whole": whole, "resumed": first + resumed, "between": between,
+            "stage": opt.stage}
+
+
+@pytest.mark.parametrize("kind,stop", [("onebit", 2), ("onebit", 7), ("zero_one", 27)])
+def test_dcp_checkpoint_resumes_every_shard_bit_for_bit(kind, stop, tmp_path):
+    runs = run_ranks(_resumed, LOCAL * HOSTS, kind, 30, stop, str(tmp_path / "ckpt"),
+                     timeout=300)
+    if kind == "zero_one":
+        assert runs[0]["between"], "saved between two syncs"
+    for rank, run in enumerate(runs):
+        assert run["stage"] == "compression"
+        for step, (a, b) in enumerate(zip(run["whole"], run["resumed"], strict=True)):
+            for x, y in zip(a, b, strict=True):
+                assert torch.equal(x, y), (kind, rank, step)
+
+
+def _other_mesh(rank, world, path):
+    """Saved on 2 hosts x 2 in the compression stage, loaded on 4 x 1 (whole parameters per
+    rank): the parameters and moments as saved, resharded; the error feedback restarted."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from onebit_plugin import load_sharded, save_sharded
+
+    def train(model, opt, steps):
+        for step in range(steps):
+            x, y = _batch(step, rank)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    mesh = init_device_mesh("cpu", (HOSTS, LOCAL), mesh_dim_names=("replicate", "shard"))
+    model = _shard(_model(), mesh["shard"])
+    opt = _optimizer("onebit", model, mesh["replicate"].get_group(), 8)
+    train(model, opt, 7)
+    save_sharded(path, model, opt)
+    whole = [p.full_tensor() for p in model.parameters()]
+    momenta = [DTensor.from_local(opt.state[q]["exp_avg"].clone(), p.device_mesh, p.placements,
+                                  shape=p.shape, stride=p.stride()).full_tensor()
+               for q, p in opt.shards.dtensor_of.items()]
+    other = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    model = _shard(_model(), other["shard"])
+    opt = _optimizer("onebit", model, other["replicate"].get_group(), 8)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("onebit_plugin").addHandler(handler)
+    load_sharded(path, model, opt)
+    loaded = [p._local_tensor.clone() for p in model.parameters()]
+    loaded_momenta = [opt.state[q]["exp_avg"].clone() for q in opt.shards.dtensor_of]
+    train(model, opt, 3)
+    check_lockstep(model.parameters(), opt)
+    return {"said": [r.getMessage() for r in records if "mesh" in r.getMessage()],
+            "params": all(torch.equal(a, b) for a, b in zip(whole, loaded, strict=True)),
+            "momenta": all(torch.equal(a, b) for a, b in zip(momenta, loaded_momenta,
+                                                             strict=True)),
+            "stage": opt.stage, "switch": opt.switch_step}
+
+
+def test_dcp_checkpoint_on_another_mesh_reshards_and_restarts_the_errors(tmp_path):
+    runs = run_ranks(_other_mesh, LOCAL * HOSTS, str(tmp_path / "ckpt"), timeout=300)
+    for rank, run in enumerate(runs):
+        assert run["params"] and run["momenta"], rank
+        assert run["stage"] == "compression" and run["switch"] == 3
+        assert len(run["said"]) == (1 if rank == 0 else 0), run["said"]
+    assert "2 hosts x 2 ranks on one of 4 x 1" in runs[0]["said"][0]
+    assert "restart from zero" in runs[0]["said"][0]
+
+
+def _crafted(rank, world, folder, marker):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from onebit_plugin import load_sharded
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    model = _shard(_model(), mesh["shard"])
+    opt = _optimizer("onebit", model, mesh["replicate"].get_group(), 8)
+    try:
+        load_sharded(folder, model, opt)
+    except Exception as exc:  # noqa: BLE001 - the message is the result
+        return f"{type(exc).__name__}: {exc}"
+    return "loaded"
+
+
+def test_a_crafted_checkpoint_runs_no_code(tmp_path):
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    marker = tmp_path / "ran"
+    # A pickle (protocol 0) that calls posix.system("touch <marker>") when unpickled.
+    (folder / ".metadata").write_bytes(f"cposix\nsystem\n(Vtouch {marker}\ntR.".encode())
+    said = run_ranks(_crafted, 1, str(folder), str(marker))[0]
+    assert "UnpicklingError" in said and "posix.system" in said, said
+    assert not marker.exists()

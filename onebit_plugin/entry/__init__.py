@@ -1,3 +1,3 @@
 """Ways in beside the optimizers: the DDP comm hook, the standalone 1-bit allreduce, DeepSpeed
-configs and the lockstep check.
+configs, the lockstep check and DCP checkpoints of sharded models.
 """
