@@ -122,6 +122,12 @@ TOPOLOGY = {"_flat": "flat", "_hier": "hierarchical"}
 ALL_VARIANTS += tuple(v + suffix for v in ("onebit_auto", "zero_one", "onebit_lamb",
                                            "onebit_auto_w8", "zero_one_w8")
                       for suffix in TOPOLOGY)
+# Sharded (issue 47), with --world 4 --local-world-size 2: the model under FSDP2, hosts of
+# LOCAL ranks. "hsdp_adam": native HSDP (a 2-D mesh) with torch's Adam; the members: each
+# parameter sharded over the host's ranks and exchanged across hosts by the optimizer
+# (process_group=mesh["replicate"]), at their defaults.
+HSDP = {"hsdp_adam": None, "hsdp_onebit_auto": "onebit_auto", "hsdp_zero_one": "zero_one"}
+ALL_VARIANTS += tuple(HSDP)
 WORLD, LOCAL = 2, None  # --world, --local-world-size
 # The collectives a rank calls, counted by wrapping torch.distributed's functions (DDP's own
 # C++ allreduce is not one of them: the plain-Adam variants average through an equal Python
@@ -141,6 +147,8 @@ def _topology(variant: str) -> tuple[str, dict]:
 
 def reference(variant: str) -> str:
     """The run a variant is compared with."""
+    if variant in HSDP:
+        return "hsdp_adam"
     variant = _topology(variant)[0]
     variant = WARMUP_BITS.get(variant, (variant, 32))[0]
     if "bf16" in variant or variant.endswith("compact_errors"):
@@ -162,6 +170,26 @@ def _clip(variant, ddp, opt) -> float | None:
 
 
 # ----------------------------------------------------------------------------- one run
+def _sharded(variant, model, lr):
+    """An HSDP variant's model (sharded in place) and optimizer."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from onebit_plugin import OneBitAdam, ZeroOneAdam
+
+    mesh = init_device_mesh("cpu", (WORLD // LOCAL, LOCAL), mesh_dim_names=("replicate", "shard"))
+    member = HSDP[variant]
+    fully_shard(model, mesh=mesh if member is None else mesh["shard"])
+    if member is None:
+        return torch.optim.Adam(model.parameters(), lr=lr)
+    group = mesh["replicate"].get_group()
+    common = {"lr": lr, "total_steps": STEPS, "max_skipped_steps": STEPS + 1,
+              "process_group": group}
+    if member == "zero_one":
+        return ZeroOneAdam(model.parameters(), **common, **ZERO_ONE[member])
+    return OneBitAdam(model.parameters(), freeze_step="auto", **common)
+
+
 def _optimizer(variant, ddp, lr):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
@@ -289,8 +317,11 @@ def _rank(rank, world, port, workload, variant, seed, queue):
         # PowerSGD chains its allreduces in future callbacks, which gloo runs on several
         # threads: with two buckets their order differs between ranks (gloo: "Received data
         # size doesn't match expected size"). One bucket keeps one chain.
-        ddp = DDP(model, bucket_cap_mb=1000) if variant == "powersgd" else DDP(model)
-        opt = _optimizer(variant, ddp, LR or work.lr)
+        if variant in HSDP:
+            ddp, opt = model, _sharded(variant, model, LR or work.lr)
+        else:
+            ddp = DDP(model, bucket_cap_mb=1000) if variant == "powersgd" else DDP(model)
+            opt = _optimizer(variant, ddp, LR or work.lr)
         # A workload's learning-rate schedule (gpt_cosine's), stepped after each optimizer step
         # as Lightning and the transformers Trainer step theirs.
         scheduler = (torch.optim.lr_scheduler.LambdaLR(opt, lambda t: work.schedule(t, STEPS))
@@ -344,7 +375,9 @@ def variance_means(model, opt) -> dict[str, float]:
 
 
 def largest_abs(model) -> dict[str, float]:
-    return {n: float(p.detach().abs().max()) for n, p in model.named_parameters()}
+    # A sharded parameter's whole tensor (a collective: every rank calls this).
+    return {n: float((p.full_tensor() if hasattr(p, "full_tensor") else p).detach().abs().max())
+            for n, p in model.named_parameters()}
 
 
 def report(queue, rank: int, result: dict) -> None:
