@@ -8,7 +8,8 @@ layers of ``--dim``), each layer and the root sharded by FSDP2:
 
     hsdp_adam       native HSDP: fully_shard over a 2-D mesh ("replicate", "shard"), torch Adam
     onebit_adam     fully_shard over mesh["shard"], OneBitAdam over mesh["replicate"]'s group
-                    (frozen after --warmup steps)
+                    (frozen after --warmup steps); onebit_adam_bf16_errors: its error
+                    buffers in bf16 (error_dtype="bfloat16")
     zero_one_adam   the same with ZeroOneAdam, on a schedule that reaches every kind of step
                     in 18 steps (refreshes at 1, 2, 4; 1-bit momenta at 3, 5, 6; then local steps
                     and syncs, the interval reaching 4)
@@ -19,7 +20,9 @@ interface per step (``tx_bytes`` in the namespace's sysfs, read by the host's lo
 the mean step time, and each rank's peak resident memory in the step (``VmHWM`` after a reset
 through ``/proc/self/clear_refs``, less the resident size before the model was built), in bytes
 per parameter of the whole model; the first step of each label is left out of the time and bytes
-(groups made, buffers built). A markdown table on stdout, one record appended to
+(groups made, buffers built). At the end, each host's local rank 0 adds up what its optimizer
+holds (``onebit_plugin.core.memory.buffer_bytes``; torch Adam's state tensors), per parameter
+of the whole model. A markdown table on stdout, one record appended to
 ``benchmarks/results/hsdp_cluster.jsonl``. The namespaces are removed afterwards, also on
 failure. Without root it says so and runs over loopback, where nothing is limited or counted.
 """
@@ -37,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-CONFIGS = ("hsdp_adam", "onebit_adam", "zero_one_adam")
+CONFIGS = ("hsdp_adam", "onebit_adam", "onebit_adam_bf16_errors", "zero_one_adam")
 ZERO_ONE = {"var_freeze_step": 6, "var_update_scaler": 1, "local_step_scaler": 2,
             "local_step_clipper": 4, "total_steps": 18}
 
@@ -80,9 +83,10 @@ def worker(args) -> None:
     group = mesh["replicate"].get_group()
     if args.config == "hsdp_adam":
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    elif args.config == "onebit_adam":
+    elif args.config.startswith("onebit_adam"):
         opt = OneBitAdam(model.parameters(), lr=1e-4, freeze_step=args.warmup,
-                         process_group=group)
+                         process_group=group, error_dtype="bfloat16"
+                         if args.config.endswith("bf16_errors") else "float32")
     else:
         opt = ZeroOneAdam(model.parameters(), lr=1e-4, process_group=group, **ZERO_ONE)
     gen = torch.Generator().manual_seed(1 + rank)
@@ -105,13 +109,20 @@ def worker(args) -> None:
         rows.append({"kind": kind, "seconds": seconds,
                      "tx": None if tx is None else after - tx,
                      "peak_bytes_per_param": float(peak) / params})
-    state = 0
-    for values in opt.state.values():
-        state += sum(v.untyped_storage().nbytes() for v in values.values()
-                     if torch.is_tensor(v) and v.dim() > 0)
+    if hasattr(opt, "shards"):  # the family's own account, each storage once
+        from onebit_plugin.core.memory import buffer_bytes
+        held = buffer_bytes(opt)
+    else:
+        tensors = [getattr(v, "_local_tensor", v) for values in opt.state.values()
+                 for v in values.values() if torch.is_tensor(v) and v.dim() > 0]
+        storages = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()
+                    for v in tensors}
+        held = {"moments": sum(storages.values())}
     if rank % local == 0:
-        print("RESULT " + json.dumps({"host": rank // local, "rows": rows, "params": params,
-                                      "state_bytes_per_param": state / params}), flush=True)
+        print("RESULT " + json.dumps({
+            "host": rank // local, "rows": rows, "params": params,
+            "state_bytes_per_param": sum(held.values()) / params,
+            "held_bytes_per_param": {k: v / params for k, v in held.items()}}), flush=True)
     dist.destroy_process_group()
 
 
@@ -167,11 +178,12 @@ def main() -> None:
         runs[config] = {"network": network, "hosts": hosts, "kinds": summarize(hosts),
                         "state_bytes_per_param": max(h["state_bytes_per_param"] for h in hosts),
                         "params": hosts[0]["params"]}
-        print(config, json.dumps(runs[config]["kinds"]), flush=True)
+        print(config, json.dumps(runs[config]["kinds"]),
+              json.dumps(hosts[0]["held_bytes_per_param"]), flush=True)
     adam = runs.get("hsdp_adam", {}).get("kinds", {}).get("exact", {})
     lines = [f"{network}; {runs[configs[0]]['params']:,} parameters, 2 hosts x 2 ranks", "",
              "| config | step | steps | host tx per step | vs HSDP + Adam | ms per step | peak "
-             "B/param per rank | optimizer state B/param per rank |",
+             "B/param per rank | optimizer's buffers B/param per rank, at the end |",
              "|---|---|---|---|---|---|---|---|"]
     for config, run in runs.items():
         for kind, k in run["kinds"].items():

@@ -90,3 +90,27 @@ def test_zero_one_drops_the_variance_when_phase_b_begins_and_keeps_no_fold_buffe
         assert all("variance" not in k and "local-step anchors" in k for k in phase_b[1:])
         assert all(with_fold == 0 for _, _, with_fold, _ in seen)
         assert "variance" not in held and held["local-step anchors"] == 4 * numel
+
+
+def _own_average_run(rank, world):
+    model = _model()
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=3, bucket_cap_mb=0.01)
+    for step in range(3):
+        _step(model, opt, rank, step)
+    warm = buffer_bytes(opt)
+    seen = []
+    for step in range(3, 7):
+        _step(model, opt, rank, step)
+        seen.append((sorted(buffer_bytes(opt)), sum(u._local is not None for u in opt.units)))
+    return warm, seen, sum(p.numel() for p in model.parameters())
+
+
+def test_without_ddp_the_warmup_buffer_is_let_go_where_the_cpu_kernel_folds():
+    """The optimizer averages by itself (no DDP): its warm-up gradient buffer (4 bytes a value)
+    is resident until the freeze; the CPU kernel's 1-bit path then writes no fold buffer, so
+    the buffer is not kept as one."""
+    assert cpu_kernel() is not None  # the path under test
+    for warm, seen, numel in run_ranks(_own_average_run, 2):
+        assert warm["warm-up gradient buffer"] >= 4 * numel
+        for kinds, with_fold in seen:
+            assert with_fold == 0 and "fold buffer" not in kinds, kinds

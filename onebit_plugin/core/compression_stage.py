@@ -13,11 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
+from onebit_plugin.comm.allreduce import OneBitAllreduce
 from onebit_plugin.comm.collectives import all_finite
 from onebit_plugin.core import checkpoint
 from onebit_plugin.core.momentum import build_units as build
 from onebit_plugin.core.momentum import partition, refresh_denominators
 from onebit_plugin.core.momentum import update_rows as rows_of
+from onebit_plugin.wire.dispatch import cpu_kernel
 
 __all__ = ["UnitLayout", "build_units", "count_step", "frozen_update", "momentum_step",
            "refresh_step", "settle_units", "update_rows"]
@@ -46,8 +48,15 @@ def build_units(opt) -> UnitLayout:
     left for them."""
     cap = opt.unit_cap_bytes  # a checkpoint's, when it left units
     # Warm-up's gradient buffer (without DDP) is resident and no longer used: the units'
-    # fold buffers are cut from it rather than from new memory (MomentumUnit's note).
+    # fold buffers are cut from it rather than from new memory (MomentumUnit's note), where a
+    # fold buffer is written. The CPU kernel's 1-bit path folds inside its worker pass and
+    # decodes as the update reads, writing none: there the buffer is let go, 4 bytes per value
+    # (2 per parameter of an HSDP model on hosts of 2, benchmarks/hsdp_cluster.py); a path
+    # that needs a fold buffer after all makes it at its first use.
     spare = opt.policy.warmup.release_buffer()
+    if spare is not None and not spare.is_cuda and cpu_kernel() is not None and \
+            type(opt.communicator) is OneBitAllreduce and opt.policy.exchange.send_bound is None:
+        spare = None
     units = build(
         partition(opt.trainable(), cap), opt.state,
         {p: g for g in opt.param_groups for p in g["params"]}, opt._masks,
