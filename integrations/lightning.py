@@ -29,6 +29,17 @@ def classes_for(namespace: str = "pytorch_lightning") -> tuple[type, type]:
     return module.OneBitAdamStrategy, module.OneBitAdamCallback
 
 
+def hsdp_strategy_for(namespace: str = "pytorch_lightning") -> type:
+    """``OneBitHSDPStrategy`` (``strategy="onebit_hsdp"``) of ``pytorch_lightning`` or
+    ``lightning.pytorch``."""
+    if namespace not in NAMESPACES:
+        raise ValueError(f"namespace must be one of {NAMESPACES}, got {namespace!r}")
+    module = importlib.import_module(
+        f"onebit_plugin.integrations.for_{namespace.replace('.', '_')}"
+    )
+    return module.OneBitHSDPStrategy
+
+
 def _installed(namespace: str) -> bool:
     try:
         return importlib.util.find_spec(namespace) is not None
@@ -93,4 +104,5 @@ def __getattr__(name: str):
 
 
 # OneBitAdamStrategy and OneBitAdamCallback come from __getattr__ above.
-__all__ = ["classes_for", "fabric_strategy_for", "register_all", "register_when_imported"]
+__all__ = ["classes_for", "fabric_strategy_for", "hsdp_strategy_for", "register_all",
+           "register_when_imported"]
