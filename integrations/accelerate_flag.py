@@ -186,6 +186,16 @@ class Accelerator(accelerate.Accelerator):
             self.ddp_handler = dataclasses.replace(
                 self.ddp_handler or accelerate.DistributedDataParallelKwargs(),
                 gradient_as_bucket_view=True)
+        if self.onebit is not None and self.distributed_type == accelerate.DistributedType.FSDP:
+            # Accelerate shards the model inside prepare() and swaps the optimizer's parameters
+            # for DTensors behind its back, after the flag built the 1-bit optimizer over whole
+            # parameters and the world group: it would average unrelated shards.
+            raise ValueError(
+                "ONEBIT_ADAM=1 does not support Accelerate's FSDP plugin: the optimizer must be "
+                "built over the model's FSDP2 shards and exchange them across hosts only. Shard "
+                "with torch's fully_shard over the host's ranks in your own loop, or use "
+                "Lightning's strategy='onebit_hsdp' (docs/usage.md, 'Sharded models (FSDP2, "
+                "HSDP)'); for DDP, launch without the FSDP config")
         if self.onebit is not None and self.mixed_precision == "fp16":
             raise ValueError(
                 "ONEBIT_ADAM=1 supports mixed_precision 'no' and 'bf16'; 'fp16' scales the loss "

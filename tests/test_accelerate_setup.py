@@ -31,3 +31,21 @@ def test_processes_that_exchange_nothing_are_said_once(monkeypatch, caplog, caps
     text = caplog.text + capsys.readouterr().out
     assert text.count(said) == 1, text
     assert type(optimizer.optimizer).__name__ == "OneBitAdam"
+
+
+def test_accelerates_fsdp_plugin_is_refused_by_name(monkeypatch):
+    """Accelerate runs FSDP only on GPUs (on CPUs it falls back to MULTI_CPU), so its
+    distributed type is set by hand here: the flag refuses it at construction, before any
+    optimizer is built over whole parameters."""
+    import accelerate
+
+    from onebit_plugin.integrations.accelerate_flag import Accelerator
+
+    for name in [k for k in __import__("os").environ if k.startswith("ONEBIT_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("ONEBIT_ADAM", "1")
+    monkeypatch.setenv("ONEBIT_FREEZE_STEP", "3")
+    monkeypatch.setattr(accelerate.Accelerator, "distributed_type",
+                        property(lambda self: accelerate.DistributedType.FSDP))
+    with pytest.raises(ValueError, match="does not support Accelerate's FSDP plugin"):
+        Accelerator(cpu=True)
