@@ -575,6 +575,34 @@ MUTANTS = [
        "        flag = torch.tensor([1.0], device=plan.device)\n",
        "tests/test_topology.py::"
        "test_the_two_level_1_bit_average_is_the_same_everywhere_and_unbiased_over_calls"),
+    _m("shard-grads-pulled-once", "issue 47: sharded (HSDP)",
+       "onebit_plugin/comm/shards.py",
+       "            proxy.grad = None if p.grad is None else _local(p.grad)\n",
+       "            if proxy.grad is None:\n"
+       "                proxy.grad = None if p.grad is None else _local(p.grad)\n",
+       "tests/test_hsdp.py::test_warmup_is_native_hsdp_with_torch_adam_bit_for_bit"),
+    _m("dtensor-grads-not-zeroed", "issue 47: sharded (HSDP)",
+       "onebit_plugin/comm/shards.py",
+       "            if set_to_none:\n                p.grad = None\n",
+       "            if set_to_none:\n                pass\n",
+       "tests/test_hsdp.py::test_warmup_is_native_hsdp_with_torch_adam_bit_for_bit"),
+    _m("sharded-checkpoint-drops-errors", "issue 47: sharded (HSDP)",
+       "onebit_plugin/entry/sharded_checkpoint.py",
+       '    rest = {"param_groups": groups, "state": state, "onebit": sd["onebit"],\n',
+       '    rest = {"param_groups": groups, "state": state,\n'
+       '            "onebit": dict(sd["onebit"], units=None),\n',
+       "tests/test_hsdp.py::test_dcp_checkpoint_resumes_every_shard_bit_for_bit"),
+    _m("replicate-group-not-checked", "issue 47: sharded (HSDP)",
+       "onebit_plugin/comm/shards.py",
+       "        if len(both) <= 1:\n",
+       "        if True:\n",
+       "tests/test_hsdp.py::test_what_cannot_be_stepped_is_refused_by_name"),
+    _m("checkpoint-metadata-unpickled-freely", "issue 47: sharded (HSDP)",
+       "onebit_plugin/entry/sharded_checkpoint.py",
+       "        obj = None\n        if module.startswith(_ALLOWED_MODULES)",
+       "        return super().find_class(module, name)\n"
+       "        obj = None\n        if module.startswith(_ALLOWED_MODULES)",
+       "tests/test_hsdp.py::test_a_crafted_checkpoint_runs_no_code"),
 ]
 
 def _copy_tree(dest: Path) -> None:

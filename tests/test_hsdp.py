@@ -66,7 +66,7 @@ def _optimizer(kind: str, model, group, steps: int):
                        process_group=group)
 
 
-def _train(rank, world, kind, steps, native=False, width=67):
+def _train(rank, world, kind, steps, native=False, width=67, model_zero_grad=False):
     """``steps`` steps of ``kind`` on the HSDP model; per step: every parameter's local shard,
     the bytes this rank sent to the other host and inside its own, and whether the replicas
     were in lockstep (``check_lockstep``, raising otherwise)."""
@@ -84,7 +84,9 @@ def _train(rank, world, kind, steps, native=False, width=67):
             kind_now = getattr(opt, "coming_exchange", "exact")
             nn.functional.mse_loss(model(x), y).backward()
             opt.step()
-            opt.zero_grad()
+            # The model's zero_grad reaches only the DTensors: the optimizer's proxies of the
+            # shards still point at last step's gradients, which its next step replaces.
+            (model if model_zero_grad else opt).zero_grad()
             out["bytes"].append({k: counts[k] - before[k] for k in counts})
             out["kinds"].append(kind_now)
             out["params"].append(_locals(model))
@@ -100,14 +102,16 @@ def _train(rank, world, kind, steps, native=False, width=67):
 
 
 def _warmups(rank, world):
-    return {kind: _train(rank, world, kind, 8, native=kind in ("adam", "adamw"))
+    return {kind: _train(rank, world, kind, 8, native=kind in ("adam", "adamw"),
+                         model_zero_grad=kind == "onebit_warmup_w")
             for kind in ("adam", "adamw", "onebit_warmup", "onebit_warmup_w", "zero_one_warmup")}
 
 
 def test_warmup_is_native_hsdp_with_torch_adam_bit_for_bit():
     """The full-precision steps on 1-D FSDP2 shards, averaged across hosts by the optimizer,
     give the very bits of native HSDP (a 2-D mesh) with torch's Adam and AdamW: FSDP2's
-    reduce-scatter inside the host, then the mean over the hosts, both in fp32."""
+    reduce-scatter inside the host, then the mean over the hosts, both in fp32; also with the
+    gradients cleared by the model's zero_grad instead of the optimizer's."""
     for rank, runs in enumerate(run_ranks(_warmups, LOCAL * HOSTS, timeout=300)):
         for ours, theirs in (("onebit_warmup", "adam"), ("onebit_warmup_w", "adamw"),
                              ("zero_one_warmup", "adamw")):
