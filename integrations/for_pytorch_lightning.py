@@ -13,5 +13,5 @@ __all__ = ["OneBitAdamCallback", "OneBitAdamStrategy", "OneBitHSDPStrategy"]
 OneBitAdamCallback = make_callback_class(pl, __name__)
 OneBitAdamStrategy = make_strategy_class(pl, OneBitAdamCallback, __name__)
 OneBitAdamStrategy.register_strategies(pl.strategies.StrategyRegistry)
-OneBitHSDPStrategy = make_hsdp_strategy_class(pl, __name__)
+OneBitHSDPStrategy = make_hsdp_strategy_class(pl, OneBitAdamCallback, __name__)
 OneBitHSDPStrategy.register_strategies(pl.strategies.StrategyRegistry)

@@ -34,7 +34,7 @@ from onebit_plugin import OneBitOptimizer, load_sharded, save_sharded
 META = "lightning.pt"
 
 
-def make_hsdp_strategy_class(pl, module: str):
+def make_hsdp_strategy_class(pl, callback_cls, module: str):
     """The strategy of one Lightning namespace, to be bound at the top level of ``module``."""
     from typing_extensions import override
 
@@ -47,6 +47,9 @@ def make_hsdp_strategy_class(pl, module: str):
         Args:
             shard_size: ranks per host, over which FSDP2 shards (default ``"auto"``: the
                 devices per node); the hosts are the world size over it.
+            add_callback: add ``OneBitAdamCallback`` (the stage switch logged, the progress
+                metrics, 0/1 Adam synced before a validation between syncs) unless the trainer
+                has one.
             **kwargs: ``ModelParallelStrategy``'s ``process_group_backend`` and ``timeout``.
                 Checkpoints are always sharded (``save_distributed_checkpoint=False`` is
                 refused: a full checkpoint would gather every shard on rank 0 and leave out the
@@ -60,7 +63,8 @@ def make_hsdp_strategy_class(pl, module: str):
 
         strategy_name = "onebit_hsdp"
 
-        def __init__(self, shard_size: int | str = "auto", **kwargs):
+        def __init__(self, shard_size: int | str = "auto", add_callback: bool = True,
+                     **kwargs):
             for name in ("data_parallel_size", "tensor_parallel_size"):
                 if name in kwargs:
                     raise TypeError(f"OneBitHSDPStrategy lays its mesh out as (hosts, "
@@ -73,6 +77,7 @@ def make_hsdp_strategy_class(pl, module: str):
             if shard_size != "auto" and (not isinstance(shard_size, int) or shard_size < 1):
                 raise ValueError(f"shard_size must be 'auto' or an int >= 1, got {shard_size!r}")
             self._shard_size = shard_size
+            self.add_callback = add_callback
 
         @override
         def setup_environment(self) -> None:
@@ -86,6 +91,10 @@ def make_hsdp_strategy_class(pl, module: str):
                 self.root_device.type, (self.world_size // shard, shard),
                 mesh_dim_names=("replicate", "shard"))
             self.lightning_module._device_mesh = self._device_mesh
+            trainer = self.lightning_module.trainer
+            if self.add_callback and trainer is not None and \
+                    not any(isinstance(c, callback_cls) for c in trainer.callbacks):
+                trainer.callbacks.append(callback_cls())
 
         @property
         @override

@@ -58,7 +58,9 @@ class OneBitAdam(OneBitOptimizer):
             1-bit momentum would move them by ``lr * scale / eps`` per step.
         masks: optional ``{param: bool tensor of param's shape}``; False freezes that coordinate's
             momentum at zero in the compression stage. Must be the same on every rank.
-        process_group: group to average over (default: the world, when initialised).
+        process_group: group to average over (default: the world, when initialised); FSDP2
+            shards: the ranks holding this shard on other hosts, ``mesh["replicate"]
+            .get_group()`` (docs/usage.md, "Sharded models (FSDP2, HSDP)").
         average_grads: average gradients across ranks during warm-up. False when something
             else already did; the compression stage always averages the momentum itself.
         compress_momentum: False averages the momentum with an exact fp32 allreduce after the
