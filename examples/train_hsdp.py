@@ -60,6 +60,8 @@ def parse_args(argv=None):
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--clip", type=float, default=0.0,
+                   help="clip the gradient's norm at this (0: no clipping)")
     p.add_argument("--ckpt-dir", help="where --save-at writes and --resume reads")
     p.add_argument("--save-at", type=int, default=0,
                    help="save after this step (0: never); --lightning: at the fit's end")
@@ -121,6 +123,10 @@ def train_loop(args) -> None:
     for step in range(start + 1, args.steps + 1):
         loss = loss_fn(model, *sample_batch(train, args.batch, args.context, gen))
         loss.backward()
+        if args.clip and args.baseline:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        elif args.clip:  # over whole parameters; in the compression stage inside the momentum
+            opt.clip_grad_norm_(args.clip)
         opt.step()
         opt.zero_grad()
         if step == args.save_at:
@@ -194,6 +200,7 @@ def train_lightning(args) -> None:
                              strategy=hsdp_strategy_for("lightning.pytorch")(
                                  shard_size=args.host_size),
                              max_steps=steps, logger=False, enable_checkpointing=False,
+                             gradient_clip_val=args.clip or None,
                              enable_progress_bar=False, enable_model_summary=False,
                              use_distributed_sampler=False)
         trainer.fit(model, ckpt_path=resume)

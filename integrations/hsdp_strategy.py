@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from onebit_plugin import OneBitOptimizer, load_sharded, save_sharded
+from onebit_plugin.integrations.lightning_strategy import route_clipping
 
 # Lightning's own pieces of a checkpoint (loops, callbacks, ...) beside the DCP folder.
 META = "lightning.pt"
@@ -57,8 +58,9 @@ def make_hsdp_strategy_class(pl, callback_cls, module: str):
 
         ``configure_optimizers`` returns one optimizer of the family built over
         ``self.parameters()`` with ``process_group=self.device_mesh["replicate"].get_group()``
-        (an LR scheduler beside it is fine). Gradient clipping by norm is refused (not summed
-        across a host's shards in this version).
+        (an LR scheduler beside it is fine). ``gradient_clip_val`` goes through the optimizer's
+        ``clip_grad_norm_`` (over whole parameters: each shard's squares summed over the host),
+        as under ``"onebit_adam"``; clipping by value is an error.
         """
 
         strategy_name = "onebit_hsdp"
@@ -131,6 +133,7 @@ def make_hsdp_strategy_class(pl, callback_cls, module: str):
                     not optimizer.shards.alone:
                 raise ValueError("the optimizer's process_group is not this strategy's "
                                  "self.device_mesh['replicate'].get_group()")
+            route_clipping(self.precision_plugin)
 
         @override
         def on_train_end(self) -> None:

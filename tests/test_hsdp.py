@@ -189,9 +189,6 @@ def _refusals(rank, world):
                                                topology="hierarchical", freeze_step=5))
     opt = OneBitAdam(sharded.parameters(), process_group=group, freeze_step=5)
     attempt("mixed", lambda: opt.add_param_group({"params": [nn.Parameter(torch.ones(2))]}))
-    x, y = _batch(0, rank)
-    nn.functional.mse_loss(sharded(x), y).backward()
-    attempt("clip", lambda: opt.clip_grad_norm_(1.0))
     # FSDP2 over all 4 ranks: no replicas, nothing to compress: said, and torch's Adam exactly.
     flat = init_device_mesh("cpu", (world,))
     records = []
@@ -223,10 +220,77 @@ def test_what_cannot_be_stepped_is_refused_by_name():
     assert said["lamb"].startswith("NotImplementedError") and "trust ratio" in said["lamb"]
     assert "topology='hierarchical'" in said["hierarchical"]
     assert "plain parameters" in said["mixed"]
-    assert said["clip"].startswith("NotImplementedError") and "clip_grad_norm_" in said["clip"]
     assert len([m for m in said["one host"] if "nothing crosses ranks" in m]) == 1, said
     assert all(said["one host equal"]) and said["one host sent"] == 0
     assert not [m for m in runs[1]["one host"] if "nothing crosses ranks" in m]  # rank 0 only
+
+
+# ----------------------------------------------------------------------------- clipping
+MAX_NORM = 0.05
+
+
+def _exact_norm(model, group) -> float:
+    """The norm of the gradient averaged over the hosts, whole: each shard's averaged over
+    its replicas, the squares summed over the host."""
+    squares = torch.zeros(())
+    for p in model.parameters():
+        if p.grad is not None:
+            g = p.grad._local_tensor.clone()
+            dist.all_reduce(g, group=group)
+            squares += g.div(HOSTS).double().square().sum().float()
+    dist.all_reduce(squares, group=model[0].weight.device_mesh.get_group())
+    return float(squares.sqrt())
+
+
+def _clipped(rank, world, kind, steps):
+    mesh = _mesh()
+    native = kind == "adam"
+    model = _shard(_model(), mesh if native else mesh["shard"])
+    group = mesh["replicate"].get_group()
+    opt = _optimizer(kind, model, group, steps)
+    out = []
+    for step in range(steps):
+        x, y = _batch(step, rank)
+        nn.functional.mse_loss(model(x), y).backward()
+        exact = None if native else _exact_norm(model, group)
+        kind_now = getattr(opt, "coming_exchange", "exact")
+        if native:
+            norm = nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        else:
+            norm = float(opt.clip_grad_norm_(MAX_NORM))
+        opt.step()
+        opt.zero_grad()
+        if not native and not opt.between_syncs:
+            check_lockstep(model.parameters(), opt)
+        out.append((kind_now, norm, exact, _locals(model)))
+    return out
+
+
+def _clipping(rank, world):
+    return {kind: _clipped(rank, world, kind, steps) for kind, steps in
+            (("adam", 6), ("onebit_warmup", 6), ("onebit", 10), ("zero_one", 30))}
+
+
+def test_clipping_spans_the_hosts_shards():
+    """In the full-precision steps the clip is torch's over whole parameters (the squares of a
+    host's shards summed): native HSDP's torch clipping within fp32 rounding; in the compression
+    stage the norm estimated from each shard's sketch, its squares summed over the host; a
+    local step clips the rank's own gradient, over the host's shards."""
+    for rank, runs in enumerate(run_ranks(_clipping, LOCAL * HOSTS, timeout=300)):
+        for (_, theirs, _, a), (_, ours, exact, b) in zip(runs["adam"], runs["onebit_warmup"],
+                                                            strict=True):
+            assert theirs > MAX_NORM  # the clip is active
+            assert ours == pytest.approx(theirs, rel=1e-5) and ours == pytest.approx(exact,
+                                                                                   rel=1e-5)
+            for x, y in zip(a, b, strict=True):
+                assert torch.allclose(x, y, rtol=0, atol=1e-6), (rank, float((x - y).abs().max()))
+        for kind, norm, exact, _ in runs["onebit"][3:]:
+            assert kind == "momentum" and norm == pytest.approx(exact, rel=0.15), (norm, exact)
+        local = [(n, e) for k, n, e, _ in runs["zero_one"] if k == "local"]
+        assert local
+        for norm, _ in local:  # this rank's own gradient over the host's shards: finite, > 0
+            assert 0 < norm < float("inf")
 
 
 # ----------------------------------------------------------------------------- checkpoints

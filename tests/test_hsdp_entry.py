@@ -38,12 +38,13 @@ def test_the_torchrun_example_trains_into_the_compression_stage_in_lockstep(tmp_
 
 
 def test_lightning_onebit_hsdp_fits_and_resumes_every_shard_bit_for_bit(tmp_path):
-    """Three fits in one launch: 16 steps; 10 steps saved (a DCP folder); resumed to 16.
-    The script compares every rank's shards of the resumed fit with the uninterrupted one's."""
+    """Three fits in one launch, clipped by norm (through the optimizer): 16 steps; 10 steps
+    saved (a DCP folder); resumed to 16. The script compares every rank's shards of the resumed
+    fit with the uninterrupted one's."""
     out = tmp_path / "summary.json"
     summary = _run([sys.executable, str(SCRIPT), "--lightning", "--devices", "4",
                     "--host-size", "2", "--steps", "16", "--freeze-step", "6",
-                    "--check-resume", "10", "--ckpt-dir", str(tmp_path / "ckpt"),
+                    "--check-resume", "10", "--clip", "0.5", "--ckpt-dir", str(tmp_path / "ckpt"),
                     "--json", str(out)], out)
     assert summary["stage"] == "compression"
     assert summary["resumed_bitwise"] is True

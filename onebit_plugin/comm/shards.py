@@ -162,11 +162,12 @@ class Shards:
                 p.grad.detach_()
                 p.grad.zero_()
 
-    def refuse_clipping(self, owner: str) -> None:
-        raise NotImplementedError(
-            f"{owner}.clip_grad_norm_ with FSDP2-sharded parameters: the norm spans every "
-            "shard of the host, which this version does not sum; train without clipping by "
-            "norm, or unsharded (docs/limits.md)")
+    def sum_over_host_(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the ranks that shard the model with this one (a collective on
+        the host's group; ``t`` itself, in place)."""
+        if dist.get_world_size(self.group) > 1:
+            dist.all_reduce(t, group=self.group)
+        return t
 
     def shard_ranks(self) -> list[int]:
         return dist.get_process_group_ranks(self.group)

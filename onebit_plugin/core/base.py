@@ -303,7 +303,7 @@ class OneBitOptimizer(Optimizer):
         ``params``, when given, must be the optimizer's trainable parameters (a clip over a
         subset has no compression-stage counterpart)."""
         if self.shards is not None:
-            self.shards.refuse_clipping(type(self).__name__)
+            self.shards.pull_grads()
         trainable = self.trainable()
         check_clip_args(max_norm, norm_type, params, trainable)
         return self.exchange_for(self.global_step + 1).clip_grad_norm_(

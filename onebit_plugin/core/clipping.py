@@ -20,30 +20,53 @@ from onebit_plugin.maths.norm_sketch import squared_norm
 
 log = logging.getLogger("onebit_plugin")
 
-__all__ = ["check_clip_args", "say_late_clip", "clip_coefficient", "compression_stage_norm",
-           "value_clipping_error"]
+__all__ = ["check_clip_args", "clip_coefficient", "compression_stage_norm", "exact_clip_",
+           "say_late_clip", "value_clipping_error"]
+
+
+def exact_clip_(params: list[torch.Tensor], max_norm: float, shards=None) -> torch.Tensor:
+    """torch's ``clip_grad_norm_`` of ``params``' gradients (each rank holds the gradient it
+    clips); with FSDP2 shards (``comm.shards``) over the whole parameters: each shard's squared
+    norm summed over the host's ranks first. Returns the total norm."""
+    if shards is None:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    grads = [p.grad for p in params if p.grad is not None]
+    device = params[0].device if params else torch.device("cpu")
+    squares = torch.zeros((), device=device)
+    if grads:
+        squares = torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])).square()
+    total = shards.sum_over_host_(squares).sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
 
 
 def compression_stage_norm(trainable: list[torch.Tensor], handoff: HandOff, world: int, group,
-                           timeout, device) -> tuple[torch.Tensor, int]:
+                           timeout, device, shards=None) -> tuple[torch.Tensor, int]:
     """The averaged gradient's 2-norm (exact on one rank, estimated from the ranks' sketches
     on several) and the bytes this rank sent for it. The local gradients are those the DDP hook
-    noted in ``handoff``, else ``p.grad``."""
+    noted in ``handoff``, else ``p.grad``. With FSDP2 ``shards`` each rank's estimate is its
+    shard's; the squares are summed over the host's ranks (an unbiased sum of unbiased
+    estimates: summing the shards' sketches instead would not be, their signs being alike)."""
     # Per parameter, in the same order on every path: the same bits whoever folded.
     local = [p for p in trainable if p in handoff.local_norms or p.grad is not None]
     if world == 1:  # the local gradient is the gradient: its norm is exact
         norms = [handoff.local_norms.get(p, None) for p in local]
         norms = [n if n is not None else torch.linalg.vector_norm(p.grad, dtype=torch.float32)
                  for n, p in zip(norms, local, strict=True)]
-        return (torch.linalg.vector_norm(torch.stack(norms)) if norms
-                else torch.zeros((), device=device)), 0
+        squares = (torch.linalg.vector_norm(torch.stack(norms)).square() if norms
+                   else torch.zeros((), device=device))
+        return (squares if shards is None else shards.sum_over_host_(squares)).sqrt(), 0
     sketch = torch.zeros(handoff.sketch.width, device=device)
     if local:
         sketch = torch.stack([handoff.sketches[p] if p in handoff.sketches
                               else handoff.sketch.of(p, p.grad) for p in local]).sum(0)
     work = dist.all_reduce(sketch, group=group, async_op=True)
     wait_collectives([work], timeout, "the clipping norm's allreduce", group)
-    return squared_norm(sketch.div_(world)).sqrt(), ring_bytes(sketch.nbytes, world)
+    squares = squared_norm(sketch.div_(world))
+    if shards is not None:
+        squares = shards.sum_over_host_(squares.reshape(()).clone())
+    return squares.sqrt(), ring_bytes(sketch.nbytes, world)
 
 
 def clip_coefficient(max_norm: float, norm: float) -> float | None:

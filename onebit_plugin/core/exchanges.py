@@ -86,7 +86,8 @@ class MomentumStep(StepExchange):
                 say_late_clip()
             return torch.full((), math.nan, device=device)
         estimate, sent = compression_stage_norm(trainable, handoff, opt.world_size,
-                                                opt.comm_group, opt.comm_timeout, device)
+                                                opt.comm_group, opt.comm_timeout, device,
+                                                opt.shards)
         opt.counts.clip_sent += sent
         handoff.clip_coef = clip_coefficient(max_norm, float(estimate))
         return estimate.reshape(())

@@ -22,6 +22,7 @@ from onebit_plugin.comm.collectives import comm_executor, wait_collectives
 from onebit_plugin.comm.hierarchical import two_level_mean_
 from onebit_plugin.comm.quantized import QuantizedAverage
 from onebit_plugin.core import rank_checks
+from onebit_plugin.core.clipping import exact_clip_
 from onebit_plugin.core.exchanges import StepExchange
 from onebit_plugin.settings.step_kinds import EXACT
 
@@ -203,7 +204,7 @@ class GradientAverage(StepExchange):
         self.average_(opt)
         if not any(p.grad is not None for p in trainable):
             return torch.zeros((), device=trainable[0].device if trainable else "cpu")
-        return torch.nn.utils.clip_grad_norm_(trainable, max_norm)
+        return exact_clip_(trainable, max_norm, opt.shards)
 
     def step(self, opt) -> None:
         self.average_(opt)

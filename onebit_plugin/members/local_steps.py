@@ -42,6 +42,7 @@ import torch
 from onebit_plugin.comm.byte_counts import ring_bytes
 from onebit_plugin.comm.collectives import all_finite
 from onebit_plugin.core import compression_stage
+from onebit_plugin.core.clipping import exact_clip_
 from onebit_plugin.core.exchanges import StepExchange
 from onebit_plugin.settings.step_kinds import LOCAL, SYNC
 from onebit_plugin.wire.deferred import fold_gradient_
@@ -186,7 +187,7 @@ class LocalStep(StepExchange):
         return local
 
     def clip_grad_norm_(self, opt, trainable, max_norm, norm_type) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(trainable, max_norm, norm_type)
+        return exact_clip_(trainable, max_norm, opt.shards)  # this rank's own gradient
 
     def step(self, opt) -> None:
         take_step(opt, sync=self.sync)
