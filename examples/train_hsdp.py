@@ -71,8 +71,9 @@ def parse_args(argv=None):
     p.add_argument("--lightning", action="store_true", help="Trainer(strategy='onebit_hsdp')")
     p.add_argument("--devices", type=int, default=4, help="with --lightning")
     p.add_argument("--check-resume", type=int, default=0,
-                   help="with --lightning: fit again, saved after N steps and resumed, and "
-                        "compare every rank's shards with the uninterrupted fit's")
+                   help="with --lightning and --ckpt-dir: fit again, saved after N steps (in "
+                        "<ckpt-dir>/check) and resumed, and compare every rank's shards with "
+                        "the uninterrupted fit's")
     return p.parse_args(argv)
 
 
@@ -172,9 +173,10 @@ def train_lightning(args) -> None:
             shard_one(self, self.device_mesh["shard"])
 
         def configure_optimizers(self):
+            # The whole run's length (--steps), also in --check-resume's shorter first fit:
+            # freeze_step="auto" reads it.
             return make_optimizer(args, self.parameters(),
-                                  self.device_mesh["replicate"].get_group(),
-                                  self.trainer.max_steps)
+                                  self.device_mesh["replicate"].get_group(), args.steps)
 
         def train_dataloader(self):
             return torch.utils.data.DataLoader(range(args.steps), batch_size=None)

@@ -100,9 +100,12 @@ def __getattr__(name: str):
     if name in ("OneBitAdamStrategy", "OneBitAdamCallback"):
         strategy_cls, callback_cls = classes_for("pytorch_lightning")
         return strategy_cls if name == "OneBitAdamStrategy" else callback_cls
+    if name == "OneBitHSDPStrategy":
+        return hsdp_strategy_for("pytorch_lightning")
     raise AttributeError(name)
 
 
-# OneBitAdamStrategy and OneBitAdamCallback come from __getattr__ above.
+# OneBitAdamStrategy, OneBitAdamCallback and OneBitHSDPStrategy (pytorch_lightning's) come from
+# __getattr__ above; hsdp_strategy_for("lightning.pytorch") gives lightning.pytorch's.
 __all__ = ["classes_for", "fabric_strategy_for", "hsdp_strategy_for", "register_all",
            "register_when_imported"]

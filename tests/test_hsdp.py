@@ -189,24 +189,38 @@ def _refusals(rank, world):
                                                topology="hierarchical", freeze_step=5))
     opt = OneBitAdam(sharded.parameters(), process_group=group, freeze_step=5)
     attempt("mixed", lambda: opt.add_param_group({"params": [nn.Parameter(torch.ones(2))]}))
-    # FSDP2 over all 4 ranks: no replicas, nothing to compress: said, and torch's Adam exactly.
-    flat = init_device_mesh("cpu", (world,))
     records = []
     handler = logging.Handler()
     handler.emit = records.append
     logging.getLogger("onebit_plugin").addHandler(handler)
-    ours, theirs = _shard(_model(), flat), _shard(_model(), flat)
-    opt = OneBitAdam(ours.parameters(), lr=1e-2, freeze_step=2)
-    ref = torch.optim.Adam(theirs.parameters(), lr=1e-2)
-    for step in range(4):
-        for m, o in ((ours, opt), (theirs, ref)):
-            nn.functional.mse_loss(m(_batch(step, rank)[0]), _batch(step, rank)[1]).backward()
-            o.step()
-            o.zero_grad()
-    said["one host"] = [r.getMessage() for r in records]
-    said["one host equal"] = [torch.equal(a, b) for a, b in zip(_locals(ours), _locals(theirs),
-                                                                strict=True)]
-    said["one host sent"] = opt.bytes_sent
+    # The optimizer made before fully_shard: it holds tensors that no gradient reaches.
+    early = _model()
+    stale = OneBitAdam(early.parameters(), lr=1e-2, freeze_step=5, topology="flat")
+    _shard(early, mesh["shard"])
+    for step in range(2):
+        nn.functional.mse_loss(early(_batch(step, rank)[0]), _batch(step, rank)[1]).backward()
+        stale.step()
+    said["before sharding"] = [r.getMessage() for r in records if "no gradient" in r.getMessage()]
+    # FSDP2 over all 4 ranks, without a group or with a replicate group of one rank: no
+    # replicas, nothing to compress: said, and torch's Adam exactly.
+    one_host = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    for case, on, group in (("no group", init_device_mesh("cpu", (world,)), None),
+                            ("replicate group of one", one_host["shard"],
+                             one_host["replicate"].get_group())):
+        records.clear()
+        ours, theirs = _shard(_model(), on), _shard(_model(), on)
+        opt = OneBitAdam(ours.parameters(), lr=1e-2, freeze_step=2, process_group=group)
+        ref = torch.optim.Adam(theirs.parameters(), lr=1e-2)
+        for step in range(4):
+            for m, o in ((ours, opt), (theirs, ref)):
+                nn.functional.mse_loss(m(_batch(step, rank)[0]), _batch(step, rank)[1]).backward()
+                o.step()
+                o.zero_grad()
+        said[f"one host, {case}"] = {
+            "said": [r.getMessage() for r in records],
+            "equal": [torch.equal(a, b) for a, b in zip(_locals(ours), _locals(theirs),
+                                                        strict=True)],
+            "sent": opt.bytes_sent, "stage": opt.stage}
     return said
 
 
@@ -214,15 +228,22 @@ def test_what_cannot_be_stepped_is_refused_by_name():
     runs = run_ranks(_refusals, LOCAL * HOSTS, timeout=300)
     said = runs[0]
     assert "2-D mesh" in said["native"] and "mesh=mesh['shard']" in said["native"], said
+    assert "the world (no process_group given) holds 2" in said["no group"], said["no group"]
     for name in ("no group", "world group"):
         assert "would average different shards" in said[name], said[name]
         assert "mesh['replicate'].get_group()" in said[name], said[name]
     assert said["lamb"].startswith("NotImplementedError") and "trust ratio" in said["lamb"]
     assert "topology='hierarchical'" in said["hierarchical"]
     assert "plain parameters" in said["mixed"]
-    assert len([m for m in said["one host"] if "nothing crosses ranks" in m]) == 1, said
-    assert all(said["one host equal"]) and said["one host sent"] == 0
-    assert not [m for m in runs[1]["one host"] if "nothing crosses ranks" in m]  # rank 0 only
+    for rank, run in enumerate(runs):
+        assert len(run["before sharding"]) == 1, run["before sharding"]  # every rank, once
+        assert "make the optimizer over model.parameters() after sharding" in \
+            run["before sharding"][0]
+        for case in ("no group", "replicate group of one"):
+            one = run[f"one host, {case}"]
+            said_here = [m for m in one["said"] if "nothing crosses ranks" in m]
+            assert len(said_here) == (1 if rank == 0 else 0), (case, one["said"])
+            assert all(one["equal"]) and one["sent"] == 0 and one["stage"] == "warmup", case
 
 
 # ----------------------------------------------------------------------------- clipping

@@ -175,34 +175,37 @@ class Shards:
     def replicate_group(self, process_group: dist.ProcessGroup | None, owner: str
                         ) -> dist.ProcessGroup | None:
         """The group the optimizer exchanges over: ``process_group``, checked to hold no two
-        ranks of one shard group (it would average different shards). Without one, and with
-        the model sharded over every rank (one host, no replicas), a group of this rank alone
-        and :attr:`alone` set: nothing crosses ranks for the family to compress, so the
-        optimizer stays in its exact stage (``warmup_stage``), which is said once (rank 0)."""
+        ranks of one shard group (it would average different shards). Where no rank holds a
+        replica of this rank's shard (one host: the model sharded over every rank, without a
+        group or with a replicate group of one rank), :attr:`alone` is set: nothing crosses
+        ranks for the family to compress, so the optimizer stays in its exact stage
+        (``warmup_stage``), which is said once (rank 0)."""
         shard_ranks = set(self.shard_ranks())
         world = dist.get_world_size()
         ranks = set(range(world)) if process_group is None else \
             set(dist.get_process_group_ranks(process_group))
         both = shard_ranks & ranks
-        if len(both) <= 1:
+        if len(both) <= 1 and len(ranks) > 1:
             return process_group
-        if process_group is None and len(shard_ranks) == world:
+        if len(ranks) == 1 or (process_group is None and len(shard_ranks) == world):
             if dist.get_rank() == 0:
                 log.warning(
-                    "onebit: %s's parameters are sharded by FSDP2 over all %d ranks and no "
-                    "rank holds a replica of another's shard: nothing crosses ranks for the "
-                    "optimizer to compress, so it stays in its exact stage (Adam's update, or "
-                    "LAMB's) on each shard whatever freeze_step says, and sends nothing (FSDP2's "
-                    "reduce-scatter is all the traffic). Compression needs "
-                    "replicas: HSDP, fully_shard(module, mesh=mesh['shard']) over a 2-D mesh "
-                    "and process_group=mesh['replicate'].get_group()", owner, world)
+                    "onebit: %s's parameters are sharded by FSDP2 over %d ranks and no rank "
+                    "holds a replica of another's shard (one host): nothing crosses ranks for "
+                    "the optimizer to compress, so it stays in its exact stage (Adam's update) "
+                    "on each shard whatever its freeze settings say, and sends nothing (FSDP2's "
+                    "reduce-scatter is all the traffic). Compression needs replicas: hosts "
+                    "along mesh['replicate'], fully_shard(module, mesh=mesh['shard']) and "
+                    "process_group=mesh['replicate'].get_group()", owner, len(shard_ranks))
             self.alone = True
-            return _own_group()
+            return process_group if process_group is not None else _own_group()
+        given = "the world (no process_group given)" if process_group is None else \
+            "its process_group"
         raise ValueError(
             f"{owner}'s parameters are sharded by FSDP2 over ranks {sorted(shard_ranks)}, and "
-            f"its process group holds {len(both)} of them ({sorted(both)}): it would average "
-            "different shards. Pass process_group=mesh['replicate'].get_group(), the ranks "
-            "that hold this rank's shard on the other hosts")
+            f"{given} holds {len(both)} of them ({sorted(both)}): it would average different "
+            "shards. Pass process_group=mesh['replicate'].get_group(), the ranks that hold "
+            "this rank's shard on the other hosts")
 
 
 def _own_group() -> dist.ProcessGroup:

@@ -364,9 +364,7 @@ class OneBitOptimizer(Optimizer):
         if self.shards is not None:
             self.shards.pull_grads()
         trainable = self.trainable()
-        for p in trainable:
-            if p.grad is not None and p.grad.is_sparse:
-                raise ValueError(f"{type(self).__name__} does not support sparse gradients")
+        rank_checks.check_gradients(self, trainable)
         rank_checks.check_trainable(self.param_groups, trainable, self.hooked_params,
                                     set(self.layout.unit_of) if self.layout and
                                     self.layout.units else None,

@@ -15,8 +15,9 @@ import torch.distributed as dist
 from onebit_plugin.comm.collectives import wait_collectives
 from onebit_plugin.maths.update import say_if_rounded_away
 
-__all__ = ["check_params", "check_ranks_agree", "check_reduced", "check_settings_agree",
-           "check_trainable", "grad_fingerprint", "name_params", "reject_sharded"]
+__all__ = ["check_gradients", "check_params", "check_ranks_agree", "check_reduced",
+           "check_settings_agree", "check_trainable", "grad_fingerprint", "name_params",
+           "reject_sharded"]
 
 log = logging.getLogger("onebit_plugin")
 
@@ -209,6 +210,27 @@ def check_params(params: list[torch.Tensor], owner: str, master_weights: bool) -
     if len(devices) > 1:
         raise ValueError(f"{owner} needs all parameters on one device, got "
                          f"{sorted(map(str, devices))}")
+
+
+def check_gradients(opt, trainable: list[torch.Tensor]) -> None:
+    """At each step of ``opt`` (a member of the family): sparse gradients refused; said once
+    per process (``opt._said_no_gradient``), a step where none of the trainable parameters has
+    a gradient. Most often the model's parameters were replaced after the optimizer was made:
+    ``fully_shard`` (FSDP2) or another wrapper that makes new parameters, so the optimizer
+    steps tensors no loss reaches."""
+    for p in trainable:
+        if p.grad is not None and p.grad.is_sparse:
+            raise ValueError(f"{type(opt).__name__} does not support sparse gradients")
+    if getattr(opt, "_said_no_gradient", False) or not trainable or \
+            any(p.grad is not None for p in trainable):
+        return
+    opt._said_no_gradient = True
+    log.warning(
+        "onebit: step %d of %s found no gradient on any of its %d trainable parameters: "
+        "nothing moves. If the model was sharded (fully_shard) or wrapped after the optimizer "
+        "was made, its parameters are new tensors: make the optimizer over model.parameters() "
+        "after sharding. (Said once.)", opt.global_step + 1, type(opt).__name__,
+        len(trainable))
 
 
 def reject_sharded(params: list[torch.Tensor]) -> None:

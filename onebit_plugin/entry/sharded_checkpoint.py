@@ -41,9 +41,9 @@ def _names(model, optimizer) -> dict:
     """Each of the optimizer's proxies (``comm.shards``) -> its parameter's name in ``model``."""
     shards = getattr(optimizer, "shards", None)
     if shards is None:
-        raise ValueError(f"{type(optimizer).__name__} holds no FSDP2-sharded parameters: save "
-                         "it with its own state_dict() (onebit_plugin.entry.sharded_checkpoint "
-                         "is for models sharded by fully_shard)")
+        raise ValueError(f"{type(optimizer).__name__} holds no FSDP2-sharded parameters: "
+                         "save_sharded/load_sharded are for models sharded by fully_shard; "
+                         "save this one's state_dict() on each rank")
     by_id = {id(p): name for name, p in model.named_parameters()}
     names = {}
     for proxy, p in shards.dtensor_of.items():
