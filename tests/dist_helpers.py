@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import random
 import socket
 import time
 import traceback
@@ -12,9 +13,25 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# Rendezvous ports come from below the kernel's ephemeral range (32768-60999 here), which every
+# bind(0) draws from: gloo's pair listeners, store clients, and the port Lightning's launcher
+# picks for its ranks seconds before they bind it. A port taken from that range and released
+# for the ranks to bind later could be handed to another job of the parallel test run in the
+# meantime; a full `make test` once failed so (2026-12-06: a 4-rank test's gloo full mesh
+# "Connection closed by peer" beside a Lightning run). torchrun's default 29500 is avoided.
+_PORTS = [p for p in range(20000, 32000) if not 29400 <= p < 29700]
+
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free TCP port on 127.0.0.1 below the ephemeral range (drawn at random, checked)."""
+    for port in random.sample(_PORTS, 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # all taken: any port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -5,12 +5,14 @@ strategy's refusals."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.dist_helpers import free_port
 from tests.procs import owned_processes
 
 pytest.importorskip("lightning")
@@ -20,8 +22,14 @@ SCRIPT = ROOT / "examples" / "train_hsdp.py"
 
 
 def _run(cmd: list[str], out: Path) -> dict:
+    # The ranks' rendezvous port from below the ephemeral range (dist_helpers.free_port says
+    # why); torchrun takes it as --master_port, Lightning's launcher as MASTER_PORT.
+    port = str(free_port())
+    if Path(cmd[0]).name == "torchrun":
+        cmd = [cmd[0], "--master_port", port, *cmd[1:]]
     with owned_processes() as start:  # torchrun's and Lightning's rank processes included
-        proc = start(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = start(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                     env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
         stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
     return json.loads(out.read_text())
