@@ -7,7 +7,7 @@ error feedback on the worker and the server side, about 1/32 of an fp32 allreduc
 ``ZeroOneAdam`` refreshes the variance on a few full-precision steps instead of freezing it
 after a long warm-up, then takes local steps between 1-bit syncs. ``OneBitLamb`` is LAMB with
 the same compressed momentum. ``from_deepspeed_config`` builds any of them from a DeepSpeed
-config. The Adam members step FSDP2 shards too (HSDP: ``onebit_plugin.comm.shards``), with
+config. Every member steps FSDP2 shards too (HSDP: ``onebit_plugin.comm.shards``), with
 ``save_sharded``/``load_sharded`` for their checkpoints.
 """
 

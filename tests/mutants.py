@@ -603,6 +603,16 @@ MUTANTS = [
        "        return super().find_class(module, name)\n"
        "        obj = None\n        if module.startswith(_ALLOWED_MODULES)",
        "tests/test_hsdp.py::test_a_crafted_checkpoint_runs_no_code"),
+    _m("lamb-ratio-of-the-shard", "issue 47: sharded (HSDP)",
+       "onebit_plugin/members/onebit_lamb.py",
+       "    def use_shards(self, shards) -> None:\n        self.host = shards\n",
+       "    def use_shards(self, shards) -> None:\n        self.host = None\n",
+       "tests/test_hsdp.py::test_onebit_lamb_takes_whole_parameters_norms_on_shards"),
+    _m("lamb-factor-of-the-shards-largest", "issue 47: sharded (HSDP)",
+       "onebit_plugin/comm/shards.py",
+       "            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)\n",
+       "            pass\n",
+       "tests/test_hsdp.py::test_onebit_lamb_takes_whole_parameters_norms_on_shards"),
 ]
 
 def _copy_tree(dest: Path) -> None:

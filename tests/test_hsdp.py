@@ -184,7 +184,6 @@ def _refusals(rank, world):
     attempt("no group", lambda: OneBitAdam(sharded.parameters(), freeze_step=5))
     attempt("world group", lambda: OneBitAdam(sharded.parameters(),
                                               process_group=dist.group.WORLD, freeze_step=5))
-    attempt("lamb", lambda: OneBitLamb(sharded.parameters(), process_group=group, freeze_step=5))
     attempt("hierarchical", lambda: OneBitAdam(sharded.parameters(), process_group=group,
                                                topology="hierarchical", freeze_step=5))
     opt = OneBitAdam(sharded.parameters(), process_group=group, freeze_step=5)
@@ -232,7 +231,6 @@ def test_what_cannot_be_stepped_is_refused_by_name():
     for name in ("no group", "world group"):
         assert "would average different shards" in said[name], said[name]
         assert "mesh['replicate'].get_group()" in said[name], said[name]
-    assert said["lamb"].startswith("NotImplementedError") and "trust ratio" in said["lamb"]
     assert "topology='hierarchical'" in said["hierarchical"]
     assert "plain parameters" in said["mixed"]
     for rank, run in enumerate(runs):
@@ -244,6 +242,51 @@ def test_what_cannot_be_stepped_is_refused_by_name():
             said_here = [m for m in one["said"] if "nothing crosses ranks" in m]
             assert len(said_here) == (1 if rank == 0 else 0), (case, one["said"])
             assert all(one["equal"]) and one["sent"] == 0 and one["stage"] == "warmup", case
+
+
+# ----------------------------------------------------------------------------- 1-bit LAMB
+def _lamb_run(rank, world, hosts):
+    """OneBitLamb on ``hosts`` x ``world / hosts`` (shards over each host's ranks), the ranks of
+    "host pair" rank // 2 reading the same batches, so that 2 x 2 and 4 x 1 average the same
+    gradients: per step, the whole parameters and this rank's trust ratios."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (hosts, world // hosts), mesh_dim_names=("replicate", "shard"))
+    model = _shard(_model(), mesh["shard"])
+    opt = OneBitLamb(model.parameters(), lr=1e-2, freeze_step=4, weight_decay=0.01,
+                     process_group=mesh["replicate"].get_group())
+    out = []
+    for step in range(10):
+        x, y = _batch(step, rank // 2)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        check_lockstep(model.parameters(), opt)
+        # full_tensor() on a mesh of one rank is the live shard itself: copied
+        out.append(([p.full_tensor().clone() for p in model.parameters()], opt.lamb_coeffs()))
+    return {"steps": out, "stage": opt.stage}
+
+
+def _lamb(rank, world):
+    return {"2x2": _lamb_run(rank, world, 2), "4x1": _lamb_run(rank, world, 4)}
+
+
+def test_onebit_lamb_takes_whole_parameters_norms_on_shards():
+    """1-bit LAMB's trust ratio and factor are the whole parameter's (its shards' squares
+    summed, their largest ratio taken, over the host): the ranks of a host take the same
+    ratios, and the warm-up on 2 x 2 shards is the one of 4 x 1 whole parameters on the same
+    averaged gradients, within fp32 rounding (the sums' order differs)."""
+    runs = run_ranks(_lamb, LOCAL * HOSTS, timeout=300)
+    for rank, run in enumerate(runs):
+        assert run["2x2"]["stage"] == "compression"
+        host_peer = runs[rank ^ 1]["2x2"]["steps"]
+        for step, ((params, ratios), (whole, whole_ratios), (_, peer_ratios)) in enumerate(
+                zip(run["2x2"]["steps"], run["4x1"]["steps"], host_peer, strict=True)):
+            assert ratios == peer_ratios, (rank, step)  # one optimizer per host
+            assert all(torch.isfinite(p).all() for p in params)
+            if step < 4:  # the warm-up: exact averages on both layouts
+                assert ratios == pytest.approx(whole_ratios, rel=1e-4), (rank, step)
+                for a, b in zip(params, whole, strict=True):
+                    assert torch.allclose(a, b, rtol=0, atol=1e-6), (rank, step)
 
 
 # ----------------------------------------------------------------------------- clipping

@@ -99,10 +99,10 @@ def exchange_group(shards: Shards | None, process_group, topology: str, owner: s
                    policy) -> tuple:
     """The optimizer's ``(process_group, topology)``: as given without shards; with them the
     replicate group (:meth:`Shards.replicate_group`), flat (FSDP2 reduces inside the host
-    already), once the member (``policy.check_sharded``) can step shards."""
+    already); the member's policy is told (``Policy.use_shards``)."""
     if shards is None:
         return process_group, topology
-    policy.check_sharded(owner)
+    policy.use_shards(shards)
     if topology == "hierarchical":
         raise ValueError(
             "topology='hierarchical' with FSDP2-sharded parameters: FSDP2 already reduces the "
@@ -167,6 +167,12 @@ class Shards:
         the host's group; ``t`` itself, in place)."""
         if dist.get_world_size(self.group) > 1:
             dist.all_reduce(t, group=self.group)
+        return t
+
+    def max_over_host_(self, t: torch.Tensor) -> torch.Tensor:
+        """:meth:`sum_over_host_`, the maximum."""
+        if dist.get_world_size(self.group) > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t
 
     def shard_ranks(self) -> list[int]:

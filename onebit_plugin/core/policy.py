@@ -249,10 +249,10 @@ class Policy:
         """The member's own settings every rank must share, as integers."""
         return {}
 
-    def check_sharded(self, owner: str) -> None:
-        """Raise where the member cannot step FSDP2 shards (``onebit_plugin.core.shards``): an
-        update that reads a whole tensor at once (a norm) would read one shard of it. The
-        Adam members' updates are elementwise: nothing to check."""
+    def use_shards(self, shards) -> None:
+        """The optimizer steps FSDP2 shards (``onebit_plugin.comm.shards.Shards``): a member
+        whose update reads a whole tensor at once (a norm) sums it over the host through them.
+        The Adam members' updates are elementwise: nothing to do."""
 
     def refresh_moments_(self, group: dict, params: list[torch.Tensor], grads, states,
                          exp_avgs) -> None:

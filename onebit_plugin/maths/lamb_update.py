@@ -30,24 +30,35 @@ from onebit_plugin.wire.deferred import Encoded, as_fp32
 __all__ = ["frozen_lamb_update_", "lamb_factor", "lamb_update_", "trust_ratio"]
 
 
-def trust_ratio(p: torch.Tensor, u: torch.Tensor, *, max_coeff: float, min_coeff: float
-                ) -> float:
-    """LAMB's ``||p|| / ||u||`` clipped to ``[min_coeff, max_coeff]``; 1 where either norm is 0
-    (a parameter with no elements, a zero parameter, a zero update)."""
-    weight = float(torch.linalg.vector_norm(p))
-    update = float(torch.linalg.vector_norm(u))
+def _clipped_ratio(weight: float, update: float, max_coeff: float, min_coeff: float) -> float:
     if weight == 0 or update == 0 or not math.isfinite(weight / update):
         return 1.0
     return min(max(weight / update, min_coeff), max_coeff)
 
 
+def trust_ratio(p: torch.Tensor, u: torch.Tensor, *, max_coeff: float, min_coeff: float
+                ) -> float:
+    """LAMB's ``||p|| / ||u||`` clipped to ``[min_coeff, max_coeff]``; 1 where either norm is 0
+    (a parameter with no elements, a zero parameter, a zero update)."""
+    return _clipped_ratio(float(torch.linalg.vector_norm(p)), float(torch.linalg.vector_norm(u)),
+                          max_coeff, min_coeff)
+
+
+def _squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32).square()
+                        for t in tensors])
+
+
 def lamb_update_(params, grads, exp_avgs, exp_avg_sqs, steps: list[float], *, lr: float,
                  beta1: float, beta2: float, eps: float, weight_decay: float, max_coeff: float,
-                 min_coeff: float, masters=None) -> list[float]:
+                 min_coeff: float, masters=None, host=None) -> list[float]:
     """One LAMB step of one parameter group (module docstring), each parameter at its own
-    ``steps`` count (from 1, this step included). Returns the trust ratio each parameter took."""
+    ``steps`` count (from 1, this step included). Returns the trust ratio each parameter took.
+    ``host``: FSDP2's shards (``comm.shards.Shards``): each parameter is a shard, and its norms
+    are the whole parameter's, the shards' squares summed over the host in one collective once
+    every update is made."""
     masters = masters or [None] * len(params)
-    ratios = []
+    ratios, pending = [], []
     for param, grad, m, v, step, master in zip(params, grads, exp_avgs, exp_avg_sqs, steps,
                                                 masters, strict=True):
         p = _fp32_param(param, master)
@@ -58,10 +69,21 @@ def lamb_update_(params, grads, exp_avgs, exp_avg_sqs, steps: list[float], *, lr
         u = (m / (1 - beta1**step)).div_(denom)
         if weight_decay != 0:
             u.add_(p, alpha=weight_decay)
+        if host is not None:
+            pending.append((param, p, u))
+            continue
         ratio = trust_ratio(p, u, max_coeff=max_coeff, min_coeff=min_coeff)
         p.add_(u, alpha=-lr * ratio)
         _write_back(param, p)
         ratios.append(ratio)
+    if pending:
+        norms = host.sum_over_host_(torch.stack([_squares([p for _, p, _ in pending]),
+                                                 _squares([u for _, _, u in pending])]))
+        for (param, p, u), weight, update in zip(pending, *norms.sqrt().tolist(), strict=True):
+            ratio = _clipped_ratio(weight, update, max_coeff, min_coeff)
+            p.add_(u, alpha=-lr * ratio)
+            _write_back(param, p)
+            ratios.append(ratio)
     return ratios
 
 
@@ -74,10 +96,19 @@ def lamb_factor(denom: torch.Tensor, fresh_denom: torch.Tensor, u_adam: torch.Te
     the ``last`` factor; 1 for a parameter with no elements."""
     if denom.numel() == 0:
         return 1.0
-    factor = float((denom / fresh_denom).max())
+    return _factor_from(float((denom / fresh_denom).max()),
+                        float(torch.linalg.vector_norm(u)) if weight_decay != 0 else 0.0,
+                        float(torch.linalg.vector_norm(u_adam)) if weight_decay != 0 else 0.0,
+                        weight_decay=weight_decay, last=last, factor_min=factor_min,
+                        factor_max=factor_max, factor_threshold=factor_threshold)
+
+
+def _factor_from(factor: float, whole: float, adam: float, *, weight_decay: float, last: float,
+                 factor_min: float, factor_max: float, factor_threshold: float) -> float:
+    """:func:`lamb_factor` from its three numbers: ``max(denom / fresh_denom)``, ``||u||`` and
+    ``||u_adam||``."""
     if weight_decay != 0:
-        whole = float(torch.linalg.vector_norm(u))
-        share = min(1.0, float(torch.linalg.vector_norm(u_adam)) / whole) if whole else 1.0
+        share = min(1.0, adam / whole) if whole else 1.0
         factor = factor * share + (1.0 - share)
     if not math.isfinite(factor):
         factor = last
@@ -89,16 +120,17 @@ def frozen_lamb_update_(params, exp_avgs, denoms, fresh_variances, steps: list[f
                         averaged, lr: float, beta1: float, beta2: float, eps: float,
                         weight_decay: float, coeffs: list[float], last_factors: list[float],
                         factor_min: float, factor_max: float, factor_threshold: float,
-                        masters=None) -> list[float]:
+                        masters=None, host=None) -> list[float]:
     """The compression stage's LAMB step of one parameter group: each averaged momentum
     (``averaged``: tensors, or parts still encoded) rebuilds a gradient against the momentum it
     replaces (``exp_avgs``, which then take it), that gradient updates the fresh variance, and
     the parameter moves by ``lr * coeff * factor * u`` over the frozen ``denoms``. No bound here:
     1-bit LAMB bounds what each rank sends, ``m / denom`` clamped before compression
     (``policy.OverDenominator``, which says why). Returns each parameter's factor (the next
-    step's ``last_factors``)."""
+    step's ``last_factors``). ``host``: as :func:`lamb_update_`'s; the largest ratio is the
+    whole parameter's (the shards' maximum over the host), the norms too."""
     masters = masters or [None] * len(params)
-    factors = []
+    factors, pending = [], []
     for i, (param, m, denom, fresh, step) in enumerate(zip(params, exp_avgs, denoms,
                                                            fresh_variances, steps, strict=True)):
         new = averaged[i]
@@ -113,10 +145,28 @@ def frozen_lamb_update_(params, exp_avgs, denoms, fresh_variances, steps: list[f
         u_adam = (m / (1 - beta1**step)).div_(denom)
         u = u_adam.add(p, alpha=weight_decay) if weight_decay != 0 else u_adam
         fresh_denom = fresh.sqrt().div_((1 - beta2**step) ** 0.5).add_(eps)
+        if host is not None:  # an empty shard's largest ratio: -inf, under any other's
+            largest = (denom / fresh_denom).max() if denom.numel() else \
+                torch.tensor(-math.inf, device=denom.device)
+            pending.append((i, param, p, u, largest, u_adam))
+            continue
         factor = lamb_factor(denom, fresh_denom, u_adam, u, weight_decay=weight_decay,
                              last=last_factors[i], factor_min=factor_min,
                              factor_max=factor_max, factor_threshold=factor_threshold)
         p.add_(u, alpha=-lr * coeffs[i] * factor)
         _write_back(param, p)
         factors.append(factor)
+    if pending:
+        largest = host.max_over_host_(torch.stack([row[4] for row in pending]))
+        norms = host.sum_over_host_(torch.stack([_squares([row[3] for row in pending]),
+                                                 _squares([row[5] for row in pending])]))
+        for (i, param, p, u, _, _), top, whole, adam in zip(
+                pending, largest.tolist(), *norms.sqrt().tolist(), strict=True):
+            factor = 1.0 if top == -math.inf else _factor_from(
+                top, whole, adam, weight_decay=weight_decay, last=last_factors[i],
+                factor_min=factor_min, factor_max=factor_max,
+                factor_threshold=factor_threshold)
+            p.add_(u, alpha=-lr * coeffs[i] * factor)
+            _write_back(param, p)
+            factors.append(factor)
     return factors

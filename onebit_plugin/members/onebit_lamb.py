@@ -42,13 +42,13 @@ class LambPolicy(Policy):
     # workload the loss did not suffer (docs/benchmarks.md, "1-bit LAMB, large batch").
     auto_ceiling = 0.15
 
-    def check_sharded(self, owner: str) -> None:
-        # The trust ratio is ||w|| / ||update|| of each whole parameter: on a shard it would be
-        # the shard's ratio, a different optimizer on every rank of a host.
-        raise NotImplementedError(
-            f"{owner} with FSDP2-sharded parameters: LAMB's trust ratio needs the norms of "
-            "whole parameters, which span the host's shards and are not summed across them in "
-            "this version; OneBitAdam and ZeroOneAdam step shards (docs/limits.md)")
+    #: FSDP2's shards (``comm.shards``), when the optimizer steps them: the trust ratio is
+    #: ||w|| / ||update|| of each whole parameter, its shards' norms summed over the host
+    #: (else each rank of a host would take its shard's ratio: another optimizer per rank).
+    host = None
+
+    def use_shards(self, shards) -> None:
+        self.host = shards
 
     def warmup_update_(self, group, params, states, masters) -> None:
         counts = [state["step"] for state in states]
@@ -58,7 +58,7 @@ class LambPolicy(Policy):
             [s["exp_avg_sq"] for s in states], [c.item() for c in counts], lr=group["lr"],
             beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
             weight_decay=group["weight_decay"], max_coeff=group["max_coeff"],
-            min_coeff=group["min_coeff"], masters=masters)
+            min_coeff=group["min_coeff"], masters=masters, host=self.host)
         beta = group["coeff_beta"]
         for state, ratio in zip(states, ratios, strict=True):
             state["last_ratio"] = ratio
@@ -92,7 +92,7 @@ class LambPolicy(Policy):
             coeffs=[s["lamb_coeff"] for s in states],
             last_factors=[s["last_factor"] for s in states], factor_min=group["factor_min"],
             factor_max=group["factor_max"], factor_threshold=group["factor_threshold"],
-            masters=masters)
+            masters=masters, host=self.host)
         for state, factor in zip(states, factors, strict=True):
             state["last_factor"] = factor
             state["last_ratio"] = state["lamb_coeff"] * factor
