@@ -76,6 +76,13 @@ def _train(rank, world, kind, steps, native=False, width=67, model_zero_grad=Fal
     opt = _optimizer(kind, model, group, steps)
     counts = {"cross": 0, "host": 0}
     out = {"params": [], "bytes": [], "kinds": []}
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("onebit_plugin")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
     real = counting_by_host(LOCAL, counts)
     try:
         for step in range(steps):
@@ -94,6 +101,9 @@ def _train(rank, world, kind, steps, native=False, width=67, model_zero_grad=Fal
                 check_lockstep(model.parameters(), opt)  # over the replicate group
     finally:
         restore_collectives(real)
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    out["said"] = [r.getMessage() for r in records]
     if hasattr(opt, "stage"):
         out["stage"] = opt.stage
         out["state_numel"] = sum(t.numel() for s in opt.state.values() for t in s.values()
@@ -155,6 +165,8 @@ def test_compression_stage_sends_a_shard_in_one_bit_and_keeps_the_replicas_ident
         for kind, b in zip(zero["kinds"], zero["bytes"], strict=True):
             assert (b["cross"] == 0) == (kind == "local"), (kind, b)
         assert {"exact", "momentum", "local", "sync"} <= set(zero["kinds"])
+    # The freeze said once in the job, not once per replicate group.
+    assert sum("variance frozen" in m for run in runs for m in run["onebit"]["said"]) == 1
     # Replicas (same shard, other host) identical after every step (check_lockstep ran);
     # the host's two shards differ.
     for a, b in ((0, 2), (1, 3)):

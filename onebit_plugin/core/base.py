@@ -281,7 +281,9 @@ class OneBitOptimizer(Optimizer):
 
     @property
     def _rank(self) -> int:
-        return self.topology.rank
+        """The rank whose 0 says the job's once-said lines: the group's; with FSDP2 shards the
+        world's (each of a host's ranks is rank 0 of its own replicate group)."""
+        return self.topology.rank if self.shards is None else dist.get_rank()
 
     # ------------------------------------------------------------------------------- clipping
     @torch.no_grad()

@@ -163,7 +163,7 @@ def _restart_error_feedback(opt, onebit: dict, saved_world: int) -> dict:
             "which do not map onto another number of ranks; resume with the same world size, "
             "or from a checkpoint written at a sync (call sync_local_steps() before saving)"
         )
-    if opt.topology.rank == 0:
+    if opt._rank == 0:
         log.warning(
             "onebit: resuming a compressed stage (compressing since after step %s) saved by "
             "%d ranks on %d: error buffers are per rank and do not map onto another world "
@@ -178,7 +178,7 @@ def _restart_for_topology(opt, onebit: dict) -> dict:
     """``onebit`` without its error buffers, said once (rank 0): a compression-stage state
     saved under another topology (``onebit_plugin.comm.topology``), whose errors are laid out
     over other slices and groups (hierarchical: each rank's over its 1/L of every unit)."""
-    if opt.topology.rank == 0:
+    if opt._rank == 0:
         log.warning(
             "onebit: resuming a compressed stage saved with topology %s under topology %s: "
             "the error buffers are laid out by topology and do not map onto another, so the "

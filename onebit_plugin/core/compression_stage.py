@@ -89,7 +89,7 @@ def _say_if_compact_errors_save_nothing(opt) -> None:
     save memory only when the largest unit holds less than half of the values. Said once, on
     rank 0, at the build."""
     units = opt.layout.units
-    if opt.config.error_dtype == "float32" or not units or opt.topology.rank != 0 or \
+    if opt.config.error_dtype == "float32" or not units or opt._rank != 0 or \
             not units[0].errors:
         return
     largest = max(u.momentum.numel() for u in units)

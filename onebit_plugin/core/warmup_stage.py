@@ -45,7 +45,7 @@ def freeze_due(opt, applied: int) -> bool:
     if opt.auto_freeze is None:
         return applied >= opt.config.freeze_step
     return opt.auto_freeze.due(applied, lambda: current_roots(opt.param_groups, opt.state),
-                               negligible_root, opt.topology.rank)
+                               negligible_root, opt._rank)
 
 
 def freeze(opt) -> None:
@@ -58,5 +58,5 @@ def freeze(opt) -> None:
         state["frozen_step"] = max(float(state["step"]), 1.0)
         opt.policy.freeze_(state)
     opt.switch_step = opt.global_step
-    if opt.topology.rank == 0:  # once per job, like the freeze
+    if opt._rank == 0:  # once per job, like the freeze
         log.info("%s", opt.switch_message())
