@@ -13,6 +13,7 @@ layers of ``--dim``), each layer and the root sharded by FSDP2:
     zero_one_adam   the same with ZeroOneAdam, on a schedule that reaches every kind of step
                     in 18 steps (refreshes at 1, 2, 4; 1-bit momenta at 3, 5, 6; then local steps
                     and syncs, the interval reaching 4)
+    onebit_lamb     the same with OneBitLamb (frozen after --warmup steps)
 
 Each step is taken between barriers and labelled by what it exchanges (``exact``, ``momentum``,
 ``local``, ``sync``; torch Adam's all ``exact``); per label: the bytes that left the host's
@@ -40,7 +41,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-CONFIGS = ("hsdp_adam", "onebit_adam", "onebit_adam_bf16_errors", "zero_one_adam")
+CONFIGS = ("hsdp_adam", "onebit_adam", "onebit_adam_bf16_errors", "zero_one_adam",
+           "onebit_lamb")
 ZERO_ONE = {"var_freeze_step": 6, "var_update_scaler": 1, "local_step_scaler": 2,
             "local_step_clipper": 4, "total_steps": 18}
 
@@ -64,7 +66,7 @@ def worker(args) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from onebit_plugin import OneBitAdam, ZeroOneAdam
+    from onebit_plugin import OneBitAdam, OneBitLamb, ZeroOneAdam
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -87,6 +89,9 @@ def worker(args) -> None:
         opt = OneBitAdam(model.parameters(), lr=1e-4, freeze_step=args.warmup,
                          process_group=group, error_dtype="bfloat16"
                          if args.config.endswith("bf16_errors") else "float32")
+    elif args.config == "onebit_lamb":
+        opt = OneBitLamb(model.parameters(), lr=1e-4, freeze_step=args.warmup,
+                         process_group=group)
     else:
         opt = ZeroOneAdam(model.parameters(), lr=1e-4, process_group=group, **ZERO_ONE)
     gen = torch.Generator().manual_seed(1 + rank)
