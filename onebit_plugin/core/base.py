@@ -257,8 +257,9 @@ class OneBitOptimizer(Optimizer):
         """Training is over (the integrations call it; a loop of one's own may): when it never
         reached the compression stage, that is said once, on rank 0; when it ended between
         syncs of local steps (the ranks' parameters differ), that is said on every rank."""
-        self.run_length.say_ended(self.global_step, self.freeze_step,
-                                  self.switch_step is not None, self._rank)
+        self.run_length.say_ended(self.global_step, self.freeze_step,  # one host: said already
+                                  self.switch_step is not None or self.shards is not None
+                                  and self.shards.alone, self._rank)
         if self.between_syncs and not self._said_apart:
             self._said_apart = True
             log.warning(
@@ -281,8 +282,7 @@ class OneBitOptimizer(Optimizer):
 
     @property
     def _rank(self) -> int:
-        """The rank whose 0 says the job's once-said lines: the group's; with FSDP2 shards the
-        world's (each of a host's ranks is rank 0 of its own replicate group)."""
+        """Rank 0 says the job's lines once: the group's, or with shards the world's rank."""
         return self.topology.rank if self.shards is None else dist.get_rank()
 
     # ------------------------------------------------------------------------------- clipping

@@ -229,7 +229,7 @@ def check_gradients(opt, trainable: list[torch.Tensor]) -> None:
         "onebit: step %d of %s found no gradient on any of its %d trainable parameters: "
         "nothing moves. If the model was sharded (fully_shard) or wrapped after the optimizer "
         "was made, its parameters are new tensors: make the optimizer over model.parameters() "
-        "after sharding. (Said once.)", opt.global_step + 1, type(opt).__name__,
+        "after sharding. (Said once by each process.)", opt.global_step + 1, type(opt).__name__,
         len(trainable))
 
 
