@@ -60,6 +60,7 @@ def _m(name, row, path, old, new, *tests):
 
 
 OPT = "onebit_plugin/members/onebit_adam.py"
+POLICY = "onebit_plugin/core/policy.py"
 HOOK = "onebit_plugin/entry/ddp_hook.py"
 AR = "onebit_plugin/comm/allreduce.py"
 COLL = "onebit_plugin/comm/collectives.py"
@@ -250,8 +251,8 @@ MUTANTS = [
        "                pass  # every rank validates",
        "tests/test_zero_one.py::test_a_validation_between_syncs_is_said_once_or_synced_first"),
     _m("subgroup-made-world-wide", "row: a data-parallel subgroup", COLL,
-       "use_local_synchronization=True, **eager)",
-       "**eager)",
+       "timeout=timeout, use_local_synchronization=True, **eager)",
+       "timeout=timeout, **eager)",
        "tests/test_faults.py::test_a_data_parallel_subgroup_makes_its_own_group_alone"),
     _m("restart-from-oldest", "row: restart", "examples/train_torchrun.py",
        'sorted(Path(folder).glob("step*"), reverse=True)', 'sorted(Path(folder).glob("step*"))',
@@ -380,11 +381,11 @@ MUTANTS = [
        "            torch.ge(piece, e, out=out)\n",
        "tests/test_optimizer.py::test_attention_key_bias_moves_no_more_than_under_adam"),
     # 0/1 Adam (issue 29)
-    _m("zero-one-refresh-counted-as-one-step", "row: 0/1 Adam's phase A", ZERO_ONE,
+    _m("zero-one-refresh-counted-as-one-step", "row: 0/1 Adam's phase A", POLICY,
        '            s["frozen_step"] += gap\n', '            s["frozen_step"] += 1.0\n',
        "tests/test_zero_one.py::"
        "test_phase_a_in_one_process_is_adam_whose_variance_moves_only_on_refresh_steps"),
-    _m("zero-one-refresh-weighted-as-one-step", "row: 0/1 Adam's phase A", ZERO_ONE,
+    _m("zero-one-refresh-weighted-as-one-step", "row: 0/1 Adam's phase A", POLICY,
        "            keep = beta2 ** gap\n", "            keep = beta2\n",
        "tests/test_zero_one.py::"
        "test_phase_a_in_one_process_is_adam_whose_variance_moves_only_on_refresh_steps"),
@@ -529,8 +530,8 @@ MUTANTS = [
        "tests/test_warmup_bits.py::"
        "test_the_int8_kernels_compile_for_a_gpu_with_correctly_rounded_divisions"),
     _m("warmup-bits-ignored-without-ddp", "issue 45: fewer bytes on every path", AVERAGE,
-       "                                            self.quantizer(opt))\n",
-       "                                            None)\n",
+       "            self.quantizer(opt), opt.topology.levels(opt.comm_timeout, opt._device()))\n",
+       "            None, opt.topology.levels(opt.comm_timeout, opt._device()))\n",
        "tests/test_warmup_bits.py::"
        "test_8_bit_warmup_keeps_the_ranks_identical_and_sends_a_quarter"),
     _m("a-rank-decodes-other-values", "issue 45: ranks identical",
@@ -594,8 +595,8 @@ MUTANTS = [
        "tests/test_hsdp.py::test_dcp_checkpoint_resumes_every_shard_bit_for_bit"),
     _m("replicate-group-not-checked", "issue 47: sharded (HSDP)",
        "onebit_plugin/comm/shards.py",
-       "        if len(both) <= 1:\n",
-       "        if True:\n",
+       "        if len(both) <= 1 and len(ranks) > 1:\n",
+       "        if len(ranks) > 1:\n",
        "tests/test_hsdp.py::test_what_cannot_be_stepped_is_refused_by_name"),
     _m("checkpoint-metadata-unpickled-freely", "issue 47: sharded (HSDP)",
        "onebit_plugin/entry/sharded_checkpoint.py",
