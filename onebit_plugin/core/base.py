@@ -74,7 +74,7 @@ class OneBitOptimizer(Optimizer):
 
     def __init__(self, params, defaults: dict, config: OneBitConfig, policy: Policy, *,
                  masks: dict | None = None, process_group: dist.ProcessGroup | None = None):
-        # FSDP2's DTensors are stepped through proxies over their local shards (core.shards).
+        # FSDP2's DTensors are stepped through proxies over their local shards (comm.shards).
         params, self.shards = localize(params)
         super().__init__(params, defaults)
         self.config, self.policy = config, policy

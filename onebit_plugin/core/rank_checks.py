@@ -218,11 +218,13 @@ def check_gradients(opt, trainable: list[torch.Tensor]) -> None:
     a gradient. Most often the model's parameters were replaced after the optimizer was made:
     ``fully_shard`` (FSDP2) or another wrapper that makes new parameters, so the optimizer
     steps tensors no loss reaches."""
+    some = False  # one pass over the parameters: this runs every step
     for p in trainable:
-        if p.grad is not None and p.grad.is_sparse:
-            raise ValueError(f"{type(opt).__name__} does not support sparse gradients")
-    if getattr(opt, "_said_no_gradient", False) or not trainable or \
-            any(p.grad is not None for p in trainable):
+        if p.grad is not None:
+            some = True
+            if p.grad.is_sparse:
+                raise ValueError(f"{type(opt).__name__} does not support sparse gradients")
+    if some or not trainable or getattr(opt, "_said_no_gradient", False):
         return
     opt._said_no_gradient = True
     log.warning(

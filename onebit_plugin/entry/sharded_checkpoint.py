@@ -17,14 +17,16 @@ error buffers, which belong to one rank's shard and one replicate group's chunks
 zero, said once (as a change of world size does, docs/limits.md); a state saved between syncs of
 local steps is refused there (every rank holds its own parameters).
 
-A checkpoint folder is data: DCP's own reader unpickles its ``.metadata`` file and loads byte
-entries with ``torch.load(weights_only=False)``, either of which runs code a crafted file names.
+A checkpoint folder is data: DCP's own reader unpickles its ``.metadata`` file, and its default
+load planner reads byte entries with a full (not weights-only) ``torch.load``; either runs code
+a crafted file names.
 Here the metadata is unpickled by an allow-list of DCP's own record classes and torch's sizes and
 dtypes, and byte entries are refused.
 """
 
 from __future__ import annotations
 
+import enum
 import io
 import logging
 import pickle
@@ -129,16 +131,11 @@ class _MetadataUnpickler(pickle.Unpickler):
             if not isinstance(obj, torch.dtype | torch.memory_format):
                 obj = None
         if obj is None or (module.startswith(_ALLOWED_MODULES) and not isinstance(obj, type)
-                           and not isinstance(obj, _enum_types())):
+                           and not isinstance(obj, enum.Enum)):
             raise pickle.UnpicklingError(
                 f"the checkpoint's metadata names {module}.{name}, which a DCP checkpoint's "
                 "metadata does not hold: refused (a checkpoint is data, never code)")
         return obj
-
-
-def _enum_types() -> tuple:
-    import enum
-    return (enum.Enum,)
 
 
 def _reader(checkpoint_id):
