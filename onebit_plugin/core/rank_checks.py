@@ -238,7 +238,7 @@ def check_gradients(opt, trainable: list[torch.Tensor]) -> None:
 def reject_sharded(params: list[torch.Tensor]) -> None:
     """FSDP1's flat parameters and DeepSpeed ZeRO hand the optimizer shards of parameters that
     the family cannot tell apart from whole ones; it would average unrelated shards across
-    ranks. (FSDP2's DTensors say what they are: ``onebit_plugin.core.shards`` steps them.)"""
+    ranks. (FSDP2's DTensors say what they are: ``onebit_plugin.comm.shards`` steps them.)"""
     for p in params:
         kind = None
         if getattr(p, "_is_flat_param", False) or hasattr(p, "_fsdp_flattened"):
