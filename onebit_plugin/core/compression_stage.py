@@ -15,7 +15,7 @@ import torch
 
 from onebit_plugin.comm.allreduce import OneBitAllreduce
 from onebit_plugin.comm.collectives import all_finite
-from onebit_plugin.core import checkpoint
+from onebit_plugin.core import checkpoint, variance_follow
 from onebit_plugin.core.momentum import build_units as build
 from onebit_plugin.core.momentum import partition, refresh_denominators
 from onebit_plugin.core.momentum import update_rows as rows_of
@@ -80,6 +80,8 @@ def settle_units(opt) -> None:
     opt.resumed.unit_cap_bytes = None  # the layout holds it now
     if saved is not None:
         checkpoint.load_unit_errors(opt, saved)
+    if opt.policy.follow is not None:
+        variance_follow.start_(opt)  # a resumed state's own numbers are kept
     opt.policy.units_built(opt)
 
 
@@ -108,6 +110,8 @@ def momentum_step(opt) -> None:
     now; the step is skipped on every rank if any unit came back non-finite."""
     handoff = opt.handoff
     averaged = handoff.averaged
+    follows = opt.policy.follow is not None
+    summaries = variance_follow.local_summaries(opt, handoff.summaries) if follows else None
     ok = True
     for unit in opt.units:
         if unit in averaged:
@@ -123,6 +127,8 @@ def momentum_step(opt) -> None:
     opt.skips.stepped()
     handoff.settle(opt.units)
     frozen_update(opt, count_step(opt), averaged=True)
+    if follows:
+        variance_follow.follow_(opt, summaries, handoff.clip_coef)
 
 
 def refresh_step(opt) -> None:
@@ -141,6 +147,8 @@ def refresh_step(opt) -> None:
     refresh_denominators(opt.units, opt.state,
                          {p: g for g in opt.param_groups for p in g["params"]},
                          opt._masks, opt.config.mask_zero_variance)
+    if opt.policy.follow is not None:  # from the refreshed variance on
+        variance_follow.start_(opt, set(trainable))
     frozen_update(opt, count_step(opt), averaged=False)
 
 

@@ -33,7 +33,9 @@ class HandOff:
     * ``local_norms`` and ``sketches``: per parameter, the norm and the sketch of the local
       gradient the hook folded (for ``clip_grad_norm_`` in the compression stage);
     * ``clip_coef``: the clipping coefficient ``clip_grad_norm_`` chose for this step;
-    * ``grads_averaged``: ``clip_grad_norm_`` already averaged the warm-up gradients.
+    * ``grads_averaged``: ``clip_grad_norm_`` already averaged the warm-up gradients;
+    * ``summaries``: per parameter, the summary of the local gradient the hook folded, for the
+      variance's following (``onebit_plugin.core.variance_follow``).
 
     Kept across iterations: ``sketch``, the :class:`~onebit_plugin.maths.norm_sketch.NormSketch` the
     hook sketches with once clipping was asked for, and which warnings were said.
@@ -53,6 +55,7 @@ class HandOff:
         self.sketches: dict = {}
         self.clip_coef: float | None = None
         self.grads_averaged = False
+        self.summaries: dict = {}
 
     def start_sketching(self, trainable: list[torch.Tensor]) -> None:
         """Clipping was asked for: from now on the hook sketches the local gradients it folds
@@ -79,10 +82,14 @@ class HandOff:
         gradients), and either is said once. Call it after the hook's last write."""
         self.handed[p] = (grad.data_ptr(), grad._version)
 
-    def note_local_gradient(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+    def note_local_gradient(self, p: torch.Tensor, grad: torch.Tensor, opt) -> None:
         """The hook is about to fold ``p``'s local gradient: its norm and sketch are kept for
         ``clip_grad_norm_``, since ``p.grad`` will hold the averaged momentum before anyone can
-        clip it. Nothing is computed while nobody clips."""
+        clip it (nothing is computed while nobody clips); and its summary for the variance's
+        following where ``opt`` (the optimizer) follows."""
+        follow = opt.policy.follow
+        if follow is not None:
+            self.summaries[p] = follow.summary(grad, opt.world_size, opt.trainable())
         if self.sketch is None:
             return
         self.local_norms[p] = torch.linalg.vector_norm(grad, dtype=torch.float32)

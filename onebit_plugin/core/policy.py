@@ -31,6 +31,7 @@ from onebit_plugin.comm.allreduce import ExactAllreduce, OneBitAllreduce
 from onebit_plugin.core import compression_stage
 from onebit_plugin.core.exchanges import MomentumStep, StepExchange
 from onebit_plugin.core.gradient_average import GradientAverage
+from onebit_plugin.core.variance_follow import VarianceFollow, scale
 from onebit_plugin.core.warmup_stage import warmup_step
 from onebit_plugin.maths.freeze import CEILING
 from onebit_plugin.maths.update import adam_update_, frozen_update_
@@ -149,6 +150,9 @@ class Policy:
     #: Whether the compression stage still updates the variance (:meth:`refresh_moments_`):
     #: else its memory becomes the frozen denominator, and checkpoints hold that instead.
     keeps_variance = False
+    #: :class:`~onebit_plugin.core.variance_follow.VarianceFollow` where the frozen
+    #: denominators follow the averaged gradients' scale (``follow_variance``); None: frozen
+    follow: VarianceFollow | None = None
 
     def __init__(self, exchange: Exchange):
         self.exchange = exchange
@@ -236,7 +240,8 @@ class Policy:
     def buffers(self) -> list:
         """``(name, tensor)`` of every buffer the policy and its exchanges hold
         (``onebit_plugin.core.memory``)."""
-        return [b for exchange in self.step_exchanges() for b in exchange.buffers()]
+        return [*(b for exchange in self.step_exchanges() for b in exchange.buffers()),
+                *(self.follow.buffers() if self.follow is not None else [])]
 
     def forget(self, opt) -> None:
         """A load: the member's own state over the units is dropped (rebuilt with them)."""
@@ -273,11 +278,17 @@ class AdamPolicy(Policy):
     :meth:`refresh_moments_`). Why: under a constant learning rate the gradients keep growing
     after the freeze (``char_mlp``: per tensor, the mean of Adam's ``sqrt(v)`` 1.36-2.81x
     larger at step 2,000 than at step 400), so a frozen denominator lets the steps grow up to
-    the bound (docs/benchmarks.md, "Wider workloads (issue 44)")."""
+    the bound (docs/benchmarks.md, "Wider workloads (issue 44)").
 
-    def __init__(self, exchange: Exchange, refresh_interval: int | None = None):
+    ``follow_variance``: between refreshes, or with none, each tensor's denominator follows
+    the averaged gradients' scale at no cost in full-precision bytes
+    (``onebit_plugin.core.variance_follow``)."""
+
+    def __init__(self, exchange: Exchange, refresh_interval: int | None = None,
+                 follow_variance: bool = False):
         super().__init__(exchange)
         self.refresh_interval = refresh_interval
+        self.follow = VarianceFollow() if follow_variance else None
         if refresh_interval is not None:
             self.keeps_variance = True
             self.exchanges[EXACT] = GradientAverage(compression_stage.refresh_step)
@@ -324,7 +335,8 @@ class AdamPolicy(Policy):
         frozen_update_(params, exp_avgs, denoms, counts, lr=group["lr"],
                        beta1=group["betas"][0], weight_decay=group["weight_decay"],
                        decoupled=group["decoupled_weight_decay"], bound=bound,
-                       masters=masters, averaged=averaged)
+                       masters=masters, averaged=averaged,
+                       scales=None if self.follow is None else [scale(s) for s in states])
 
     def refresh_moments_(self, group, params, grads, states, exp_avgs) -> None:
         beta1, beta2 = group["betas"]

@@ -171,7 +171,7 @@ class OneBitHookState:
         for p, grad, unit in parts:
             if unit not in self.to_defer:  # else step() folds it
                 # For clip_grad_norm_: p.grad will hold the average.
-                handoff.note_local_gradient(p, grad)
+                handoff.note_local_gradient(p, grad, opt)
             pending = self.arrived(unit, p, grad, last)
             if all(pending is not w for w in waits):
                 waits.append(pending)

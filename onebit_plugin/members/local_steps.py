@@ -41,7 +41,7 @@ import torch
 
 from onebit_plugin.comm.byte_counts import ring_bytes
 from onebit_plugin.comm.collectives import all_finite
-from onebit_plugin.core import compression_stage
+from onebit_plugin.core import compression_stage, variance_follow
 from onebit_plugin.core.clipping import exact_clip_
 from onebit_plugin.core.exchanges import StepExchange
 from onebit_plugin.settings.step_kinds import LOCAL, SYNC
@@ -209,6 +209,9 @@ def take_step(opt, sync: bool) -> None:
     of every rank's update since the last sync, after which every rank holds the same
     parameters and momenta."""
     units = opt.units
+    summaries = None
+    if sync and opt.policy.follow is not None:
+        summaries = variance_follow.local_summaries(opt, {})
     if opt.policy.local is None:  # the first local step: the ranks are on one point now
         freeze_variances(opt)
         opt.policy.local = LocalSteps(units, opt._fp32_of, opt.param_groups)
@@ -228,6 +231,8 @@ def take_step(opt, sync: bool) -> None:
                                        opt.world_size) if not sync else 0)
     if sync:
         sync_ranks(opt, corrections(opt, counts))
+        if summaries is not None:  # after the landing: the interval's steps used one scale
+            variance_follow.follow_(opt, summaries)
 
 
 def local_bound(world: int) -> float:
@@ -254,8 +259,11 @@ def freeze_variances(opt) -> None:
 
 
 def corrections(opt, counts: list[float]) -> dict:
-    """m's bias correction ``1 - b1**t`` of every unit's parameter at its count."""
-    return {p: 1 - unit.hypers[p]["betas"][0] ** counts[opt.layout.step_index[p]]
+    """m's bias correction ``1 - b1**t`` of every unit's parameter at its count, times the
+    factor on its denominator (``variance_follow.scale``: the sync converts by the
+    denominator the local steps divided by)."""
+    return {p: (1 - unit.hypers[p]["betas"][0] ** counts[opt.layout.step_index[p]])
+            * variance_follow.scale(opt.state[p])
             for unit in opt.units for p in unit.params}
 
 

@@ -115,5 +115,6 @@ class OneBitAdam(OneBitOptimizer):
                         decoupled_weight_decay=decoupled_weight_decay)
         exchange = OneBitMomentum() if config.compress_momentum else ExactMomentum()
         super().__init__(params, defaults, config,
-                         AdamPolicy(exchange, config.refresh_interval), masks=masks,
+                         AdamPolicy(exchange, config.refresh_interval, config.follow_variance),
+                         masks=masks,
                          process_group=process_group)

@@ -164,7 +164,9 @@ class OneBitLamb(OneBitOptimizer):
             "decoupled_weight_decay": "1-bit LAMB's weight decay is always LAMB's, added to "
                                       "the update inside the trust ratio",
             "refresh_interval": "1-bit LAMB's frozen variance has no refreshes (its fresh "
-                                "variance for the trust ratio costs no exchange)"})
+                                "variance for the trust ratio costs no exchange)",
+            "follow_variance": "1-bit LAMB follows the variance its own way: its fresh "
+                               "variance sets the trust ratio's factor"})
         # decoupled_weight_decay: the fold of a local gradient into the momentum leaves the
         # decay out; LAMB adds it to the update itself.
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,

@@ -75,8 +75,8 @@ class ZeroOnePolicy(AdamPolicy):
     keeps_variance = True  # refreshed in phase A
 
     def __init__(self, var_freeze_step, var_update_scaler: int, local_step_scaler,
-                 local_step_clipper: int):
-        super().__init__(OneBitMomentum())
+                 local_step_clipper: int, follow_variance: bool = False):
+        super().__init__(OneBitMomentum(), follow_variance=follow_variance)
         # Refreshes average exactly, as the warm-up does; local steps send nothing, syncs
         # send through the momentum's communicator.
         self.exchanges.update({EXACT: GradientAverage(compression_stage.refresh_step),
@@ -213,7 +213,7 @@ class ZeroOneAdam(OneBitOptimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         decoupled_weight_decay=decoupled_weight_decay)
         policy = ZeroOnePolicy(var_freeze_step, var_update_scaler, local_step_scaler,
-                               local_step_clipper)
+                               local_step_clipper, config.follow_variance)
         super().__init__(params, defaults, config, policy, masks=masks,
                          process_group=process_group)
 

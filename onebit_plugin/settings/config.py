@@ -105,6 +105,7 @@ class OneBitConfig:
     error_dtype: str = "float32"
     warmup_bits: int = 32
     refresh_interval: int | None = None
+    follow_variance: bool = True
     topology: str = "auto"
     local_world_size: int | None = None
 
@@ -118,7 +119,7 @@ class OneBitConfig:
             )
         check_settings(dataclasses.asdict(self))
         for name in ("mask_zero_variance", "average_grads", "compress_momentum",
-                     "bound_update", "master_weights"):
+                     "bound_update", "master_weights", "follow_variance"):
             object.__setattr__(self, name, bool(getattr(self, name)))
 
     def agreement(self, total_steps: int | None) -> dict[str, int]:
@@ -135,6 +136,7 @@ class OneBitConfig:
                 "error_dtype": ERROR_DTYPES.index(self.error_dtype),
                 "warmup_bits": self.warmup_bits,
                 "refresh_interval": self.refresh_interval or 0,
+                "follow_variance": int(self.follow_variance),
                 "topology asked": TOPOLOGIES.index(self.topology)}
 
     def replace(self, **changes) -> OneBitConfig:
