@@ -98,7 +98,7 @@ def test_a_refresh_weighs_the_steps_it_stands_for():
     steps, lr, (b1, b2), eps = 13, 1e-2, (0.9, 0.999), 1e-8
     model = _model()
     opt = OneBitAdam(model.parameters(), lr=lr, freeze_step=FREEZE, refresh_interval=EVERY,
-                     bound_update=False)
+                     bound_update=False, follow_variance=False)
     ref = _model()
     m = [torch.zeros_like(p) for p in ref.parameters()]
     v = [torch.zeros_like(p) for p in ref.parameters()]

@@ -139,7 +139,7 @@ def test_phase_a_in_one_process_is_adam_whose_variance_moves_only_on_refresh_ste
     lr, wd, (b1, b2), eps = 1e-2, 0.1, (0.9, 0.999), 1e-8
     opt = ZeroOneAdam(model.parameters(), lr=lr, weight_decay=wd, var_freeze_step=60,
                       var_update_scaler=4, decoupled_weight_decay=decoupled, total_steps=100,
-                      bound_update=False)
+                      bound_update=False, follow_variance=False)
     params = [p.detach().clone() for p in model.parameters()]
     m = [torch.zeros_like(p) for p in params]
     v = [torch.zeros_like(p) for p in params]

@@ -111,7 +111,7 @@ def momentum_step(opt) -> None:
     handoff = opt.handoff
     averaged = handoff.averaged
     follows = opt.policy.follow is not None
-    summaries = variance_follow.local_summaries(opt, handoff.summaries) if follows else None
+    sketches = variance_follow.summaries(opt, handoff.summaries) if follows else None
     ok = True
     for unit in opt.units:
         if unit in averaged:
@@ -128,7 +128,7 @@ def momentum_step(opt) -> None:
     handoff.settle(opt.units)
     frozen_update(opt, count_step(opt), averaged=True)
     if follows:
-        variance_follow.follow_(opt, summaries, handoff.clip_coef)
+        variance_follow.follow_(opt, sketches, handoff.clip_coef)
 
 
 def refresh_step(opt) -> None:
@@ -147,9 +147,11 @@ def refresh_step(opt) -> None:
     refresh_denominators(opt.units, opt.state,
                          {p: g for g in opt.param_groups for p in g["params"]},
                          opt._masks, opt.config.mask_zero_variance)
-    if opt.policy.follow is not None:  # from the refreshed variance on
+    counts = count_step(opt)
+    if opt.policy.follow is not None:  # the refreshed denominators' reference
+        variance_follow.follow_(opt, variance_follow.summaries(opt), local=False)
         variance_follow.start_(opt, set(trainable))
-    frozen_update(opt, count_step(opt), averaged=False)
+    frozen_update(opt, counts, averaged=False)
 
 
 def count_step(opt) -> list[float]:

@@ -1,35 +1,36 @@
-"""The frozen variance follows, tensor by tensor, the second moment of the averaged gradients,
-without sending them (``follow_variance``, the Adam members' default; docs/usage.md, "A
-variance that follows").
+"""The frozen variance follows, tensor by tensor, the scale of the averaged gradients, without
+sending them (``follow_variance``, the Adam members' default; docs/usage.md, "A variance that
+follows").
 
 Why: under a constant learning rate the gradients keep growing after the freeze (``char_mlp``
 of benchmarks/workloads.py: per tensor, the mean of Adam's ``sqrt(v)`` 1.36-2.81x larger at step
 2,000 than at the freeze, step 400), so a frozen denominator lets every step grow, up to the
-bound; refreshing the variance in full precision fixed it but cost a quarter of the bytes
+bound; refreshing the variance in full precision fixed it but cost a fifth of the bytes
 (``refresh_interval=16``: 3.65x fewer instead of 4.43x; docs/benchmarks.md, "Wider workloads").
 What moved was mostly each tensor's scale, which one number per tensor follows.
 
-How, on each step that exchanges (1-bit Adam's momentum steps, 0/1 Adam's syncs and phase-A
-steps): each rank sketches its local gradient of every trainable tensor into :data:`WIDTH`
-values (a CountSketch, as ``maths.norm_sketch``'s: random signs that are the same on every
-rank), one allreduce of ``WIDTH`` fp32 values per tensor averages the sketches, and the squared
-norm of the average estimates the averaged gradient's squared norm without bias (relative
-standard deviation about ``sqrt(2 / WIDTH)`` = 35% per step, which the average below takes over
-some 1,000 steps). Its mean over the tensor, ``a``, feeds ``v_bar``, the tensor's mean of
-Adam's bias-corrected variance, with Adam's own rule (``v <- b2**k v + (1 - b2**k) g*g`` over the
-``k`` steps since the last, bias corrected at the count), started at the mean of the frozen
-``v_hat`` itself; the update then divides by ``denom * sqrt(v_bar / v_bar at the freeze)``.
-Each coordinate keeps its place relative to its tensor's; only the tensor's scale moves, as
-fast as Adam's variance moves and no faster. One process: ``a`` is the gradient's own mean
-square. Every rank computes the same numbers from the same allreduce: the ranks stay alike.
-The numbers live in each parameter's optimizer state (``variance_mean``, ``variance_ref``,
-``variance_count``), so a checkpoint resumes them bit for bit.
+How: each tensor's averaged gradient is summarized by a sketch of :data:`WIDTH` values (a
+CountSketch: coordinate ``i`` of row ``r = i // WIDTH`` adds ``s_r * g_i`` to bucket
+``i mod WIDTH``, with random signs ``s_r`` the same on every rank). A sketch is linear: in the
+exact stage each rank sketches the averaged gradient it holds (nothing sent); in the
+compression stage each rank sketches its local gradient and one allreduce of ``WIDTH`` fp32
+values per tensor averages the sketches, which is the averaged gradient's sketch. Its squared
+norm estimates the averaged gradient's squared norm (without bias over the signs; relative
+standard deviation about ``sqrt(2 / WIDTH)`` = 35% per step, less after the average below); per
+tensor, its mean over the values feeds ``v_bar``, an average with Adam's own rule (``v <- b2**k v
++ (1 - b2**k) a`` over the ``k`` steps since the last, bias corrected at the count), from the
+first step. The update divides by ``denom * sqrt(v_bar / v_bar when denom was made)``: the same
+estimate before and after, so what the sketch makes of a tensor's structure cancels. Each
+coordinate keeps its place relative to its tensor's; only the tensor's scale moves, as fast as
+Adam's variance would and no faster. Every rank computes the same numbers from the same bytes:
+the ranks stay alike. The numbers live in each parameter's optimizer state
+(``variance_mean``, ``variance_ref``, ``variance_count``): a checkpoint resumes them bit for bit.
 
-Costs: ``WIDTH * 4`` bytes per tensor per exchanging step (64; a 1-bit step sends ``n / 8``
-bytes for a tensor of ``n`` values), one small allreduce on such steps (latency), a pass over
-each local gradient; the signs, ``4 / WIDTH`` bytes per value of the largest tensor (at most
-:data:`SIGN_ROWS` rows, 1 MiB; a larger tensor reuses them every ``SIGN_ROWS * WIDTH``
-values, whose coordinates' cross terms then keep their signs).
+Costs: ``WIDTH * 4`` bytes per tensor per exchanging compression-stage step (64; a 1-bit step
+sends about ``n / 8`` bytes for a tensor of ``n`` values) in one small allreduce (its latency),
+none on a local step; a pass over each gradient every step; the signs, ``4 / WIDTH`` bytes per
+row of the largest tensor (at most :data:`SIGN_ROWS` rows, 1 MiB; a larger tensor reuses them
+every ``SIGN_ROWS * WIDTH`` values).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import torch.distributed as dist
 from onebit_plugin.comm.byte_counts import ring_bytes
 from onebit_plugin.comm.collectives import wait_collectives
 
-__all__ = ["SIGN_ROWS", "WIDTH", "VarianceFollow", "follow_", "scale", "start_"]
+__all__ = ["SIGN_ROWS", "WIDTH", "VarianceFollow", "follow_", "scale", "start_", "summaries"]
 
 WIDTH = 16
 SIGN_ROWS = 1 << 18
@@ -68,17 +69,12 @@ class VarianceFollow:
             self.signs = bits.mul_(2).sub_(1).to(device=device, dtype=torch.float32)
         return self.signs
 
-    def summary(self, grad: torch.Tensor, world: int, trainable: list[torch.Tensor]
-                ) -> torch.Tensor:
-        """This rank's part of ``a`` for one tensor: its sketch (``WIDTH`` values), or on one
-        process the squared norm itself (one value, padded)."""
+    def summary(self, grad: torch.Tensor, trainable: list[torch.Tensor]) -> torch.Tensor:
+        """The sketch of one tensor's gradient ``grad`` (``WIDTH`` fp32 values)."""
         flat = grad.reshape(-1)
         if flat.dtype != torch.float32:
             flat = flat.float()
         out = torch.zeros(WIDTH, dtype=torch.float32, device=flat.device)
-        if world == 1:
-            out[0] = torch.linalg.vector_norm(flat).square()
-            return out
         signs = self._signs(trainable, flat.device)
         rows, reuse = flat.numel() // WIDTH, signs.numel()
         for start in range(0, rows, reuse):
@@ -91,80 +87,80 @@ class VarianceFollow:
         return out
 
 
-def start_(opt, params: list[torch.Tensor] | None = None) -> None:
-    """The following starts over from the denominators as they are now (at the freeze, and
-    after each full-precision refresh), for ``params`` (None: every unit's parameters that
-    have not started yet, as after a resume that holds them)."""
-    for unit in opt.units:
-        for p in unit.params:
-            state = opt.state[p]
-            if params is None and _REF in state or params is not None and p not in params:
-                continue
-            eps = unit.hypers[p]["eps"]
-            root = (unit.view(p, unit.denom) - eps).clamp_(min=0.0)
-            mean = float(torch.sum(root.square_(), dtype=torch.float64)) / max(p.numel(), 1)
-            state[_MEAN] = state[_REF] = mean
-            state[_COUNT] = float(state.get("frozen_step", float(state["step"])))
-
-
-def scale(state: dict) -> float:
-    """The factor on a parameter's denominator: ``sqrt(v_bar / v_bar at the freeze)``; 1
-    before the following starts, or for a tensor whose frozen variance is zero."""
-    ref = state.get(_REF)
-    if not ref or ref <= 0.0:
-        return 1.0
-    return math.sqrt(state[_MEAN] / ref)
-
-
-def local_summaries(opt, noted: dict) -> list[torch.Tensor]:
-    """Every trainable tensor's summary of this rank's local gradient, in order: the DDP hook's
-    (``noted``, taken before ``p.grad`` came to hold the averaged momentum) or ``p.grad``'s
-    (zeros for none). Taken before the step's exchange."""
+def summaries(opt, noted: dict | None = None) -> list[torch.Tensor]:
+    """Every trainable tensor's sketch, in order, of the gradient this rank holds: the DDP
+    hook's (``noted``, taken before ``p.grad`` came to hold the averaged momentum) or
+    ``p.grad``'s (zeros for none). Taken before the step's exchange."""
     trainable = opt.trainable()
-    follow = opt.policy.follow
+    follow, noted = opt.policy.follow, noted or {}
     out = []
     for p in trainable:
-        summary = noted.get(p)
-        if summary is None:
-            summary = (follow.summary(p.grad, opt.world_size, trainable)
-                       if p.grad is not None else
-                       torch.zeros(WIDTH, dtype=torch.float32, device=p.device))
-        out.append(summary)
+        sketch = noted.get(p)
+        if sketch is None:
+            sketch = (follow.summary(p.grad, trainable) if p.grad is not None else
+                      torch.zeros(WIDTH, dtype=torch.float32, device=p.device))
+        out.append(sketch)
     return out
 
 
-def follow_(opt, summaries: list[torch.Tensor], coef: float | None = None) -> None:
-    """After a step that exchanged: average the ranks' ``summaries``, and move each tensor's
-    ``v_bar`` by the steps since its last move (its step count less ``variance_count``).
-    ``coef``: the clipping coefficient this step's averaged gradient was scaled by."""
-    if not summaries:
+def follow_(opt, sketches: list[torch.Tensor], coef: float | None = None, *,
+            local: bool = True) -> None:
+    """After a step: move each tensor's ``v_bar`` by the steps since its last move (its step
+    count less ``variance_count``) with the estimate from ``sketches``: each rank's sketch of
+    its local gradient (``local``: averaged here, one allreduce) or of the averaged gradient
+    it holds (nothing sent). ``coef``: the clipping coefficient the averaged gradient was
+    scaled by after it was sketched."""
+    if not sketches:
         return
-    trainable = opt.trainable()
-    stacked = torch.stack(summaries)
+    stacked = torch.stack(sketches)
     world = opt.world_size
-    if world > 1:
+    if local and world > 1:
         work = dist.all_reduce(stacked, group=opt.comm_group, async_op=True)
         wait_collectives([work], opt.comm_timeout, "the variance follow's allreduce",
                          opt.comm_group)
-        opt.counts.clip_sent += ring_bytes(stacked.nbytes, world)
-        squares = stacked.div_(world).square_().sum(dim=1)
-    else:
-        squares = stacked[:, 0]
-    squares = squares.tolist()
+        opt.counts.add_exact(ring_bytes(stacked.nbytes, world), 0)
+        stacked.div_(world)
+    squares = stacked.square_().sum(dim=1).tolist()
     if coef is not None and coef < 1.0:
         squares = [s * coef * coef for s in squares]
     if not all(math.isfinite(s) for s in squares):
         return  # a skipped step (the same on every rank): the variance moves with the next
-    for p, square in zip(trainable, squares, strict=True):
+    for p, square in zip(opt.trainable(), squares, strict=True):
         state = opt.state[p]
-        if _REF not in state:
+        if "step" not in state:
+            continue  # no gradient yet
+        n, t = state.get(_COUNT, 0.0), float(state["step"])
+        if t <= n:
             continue
-        beta2 = opt.unit_of(p).hypers[p]["betas"][1]
-        n, t = state[_COUNT], float(state["step"])
-        k = t - n
-        if k <= 0:
+        beta2 = _beta2(opt, p)
+        kept = beta2 ** (t - n)
+        moved = kept * (1.0 - beta2 ** n) * state.get(_MEAN, 0.0) + \
+            (1.0 - kept) * square / max(p.numel(), 1)
+        state[_MEAN], state[_COUNT] = moved / (1.0 - beta2 ** t), t
+
+
+def _beta2(opt, p: torch.Tensor) -> float:
+    for group in opt.param_groups:
+        if any(q is p for q in group["params"]):
+            return group["betas"][1]
+    raise KeyError("not a parameter of this optimizer")
+
+
+def start_(opt, params=None) -> None:
+    """The denominators of ``params`` (None: every trainable one that has not started, as at
+    the freeze; a resumed state's numbers are kept) were just made: the scale is 1 from here,
+    ``v_bar`` as it is now its reference."""
+    for p in opt.trainable():
+        state = opt.state[p]
+        if params is None and _REF in state or params is not None and p not in params:
             continue
-        kept = beta2 ** k
-        moved = kept * (1.0 - beta2 ** n) * state[_MEAN] + (1.0 - kept) * square / p.numel()
-        state[_MEAN] = moved / (1.0 - beta2 ** t)
-        state[_COUNT] = t
+        state[_REF] = state.get(_MEAN, 0.0)
+
+
+def scale(state: dict) -> float:
+    """The factor on a parameter's denominator, ``sqrt(v_bar / v_bar when it was made)``; 1
+    before the following starts, or for a tensor that had no gradient then."""
+    ref = state.get(_REF)
+    if not ref or ref <= 0.0:
+        return 1.0
+    return math.sqrt(state[_MEAN] / ref)

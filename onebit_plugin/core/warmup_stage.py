@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from onebit_plugin.comm.collectives import all_finite
+from onebit_plugin.core import variance_follow
 from onebit_plugin.maths.freeze import current_roots
 from onebit_plugin.maths.masks import negligible_root
 
@@ -33,6 +34,8 @@ def warmup_step(opt) -> None:
                 states = [opt.state[p] or opt._init_state(p) for p in params]
                 opt.policy.warmup_update_(g, params, states, [
                     opt._master(p, s) for p, s in zip(params, states, strict=True)])
+        if opt.policy.follow is not None:  # the averaged gradients' scale, sending nothing
+            variance_follow.follow_(opt, variance_follow.summaries(opt), local=False)
     if opt.shards is not None and opt.shards.alone:
         return  # nothing to compress: FSDP2 shards over every rank (comm.shards)
     if opt.policy.stage_changes(opt.global_step - opt.skipped_steps,  # applied steps

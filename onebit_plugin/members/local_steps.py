@@ -209,9 +209,9 @@ def take_step(opt, sync: bool) -> None:
     of every rank's update since the last sync, after which every rank holds the same
     parameters and momenta."""
     units = opt.units
-    summaries = None
+    sketches = None
     if sync and opt.policy.follow is not None:
-        summaries = variance_follow.local_summaries(opt, {})
+        sketches = variance_follow.summaries(opt)
     if opt.policy.local is None:  # the first local step: the ranks are on one point now
         freeze_variances(opt)
         opt.policy.local = LocalSteps(units, opt._fp32_of, opt.param_groups)
@@ -231,8 +231,8 @@ def take_step(opt, sync: bool) -> None:
                                        opt.world_size) if not sync else 0)
     if sync:
         sync_ranks(opt, corrections(opt, counts))
-        if summaries is not None:  # after the landing: the interval's steps used one scale
-            variance_follow.follow_(opt, summaries)
+        if sketches is not None:  # after the landing: the interval's steps used one scale
+            variance_follow.follow_(opt, sketches)
 
 
 def local_bound(world: int) -> float:

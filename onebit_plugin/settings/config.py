@@ -208,7 +208,8 @@ VARIABLES = ("ONEBIT_ADAM", "ONEBIT_OPTIMIZER", "ONEBIT_FREEZE_STEP", "ONEBIT_VA
              "ONEBIT_LOCAL_STEP_SCALER", "ONEBIT_TOTAL_STEPS", "ONEBIT_MAX_BLOCK",
              "ONEBIT_SCALE", "ONEBIT_OVERLAP", "ONEBIT_TIMEOUT", "ONEBIT_BOUND_UPDATE",
              "ONEBIT_MASTER_WEIGHTS", "ONEBIT_ERROR_DTYPE", "ONEBIT_WARMUP_BITS",
-             "ONEBIT_REFRESH_INTERVAL", "ONEBIT_TOPOLOGY", "ONEBIT_CPU_KERNEL")
+             "ONEBIT_REFRESH_INTERVAL", "ONEBIT_FOLLOW_VARIANCE", "ONEBIT_TOPOLOGY",
+             "ONEBIT_CPU_KERNEL")
 # The variable of each config field it sets: a ValueError about the field names the variable.
 _FIELD_VARIABLES = {"freeze_step": "ONEBIT_FREEZE_STEP", "total_steps": "ONEBIT_TOTAL_STEPS",
                     "max_block": "ONEBIT_MAX_BLOCK", "scale": "ONEBIT_SCALE",
@@ -270,6 +271,7 @@ class EnvSettings:
     error_dtype: str = "float32"
     warmup_bits: int = 32
     refresh_interval: int | None = None
+    follow_variance: bool = True
     topology: str = "auto"
     optimizer: str = "onebit_adam"
     var_freeze_step: int | str = "auto"
@@ -284,6 +286,8 @@ class EnvSettings:
         options = self.config.replace(total_steps=total_steps).options()
         if self.optimizer != "onebit_adam":  # 1-bit Adam's alone (None: settings_from_env)
             del options["refresh_interval"]
+        if self.optimizer == "onebit_lamb":  # the Adam members' (settings_from_env)
+            del options["follow_variance"]
         if self.optimizer == "zero_one_adam":
             del options["freeze_step"], options["compress_momentum"]
             options.update(var_freeze_step=self.var_freeze_step,
@@ -297,7 +301,8 @@ class EnvSettings:
                             comm_timeout=self.timeout, bound_update=self.bound_update,
                             master_weights=self.master_weights, error_dtype=self.error_dtype,
                             warmup_bits=self.warmup_bits,
-                            refresh_interval=self.refresh_interval, topology=self.topology)
+                            refresh_interval=self.refresh_interval,
+                            follow_variance=self.follow_variance, topology=self.topology)
 
     @classmethod
     def from_env(cls) -> EnvSettings | None:
@@ -351,8 +356,12 @@ def settings_from_env() -> EnvSettings | None:
         error_dtype=os.environ.get("ONEBIT_ERROR_DTYPE", "").strip() or "float32",
         warmup_bits=32 if (bits := _env_int("ONEBIT_WARMUP_BITS")) is None else bits,
         refresh_interval=_env_int("ONEBIT_REFRESH_INTERVAL"),
+        follow_variance=flag("ONEBIT_FOLLOW_VARIANCE", "1"),
         topology=os.environ.get("ONEBIT_TOPOLOGY", "").strip() or "auto",
     )
+    if "ONEBIT_FOLLOW_VARIANCE" in os.environ and member == "onebit_lamb":
+        raise ValueError("ONEBIT_FOLLOW_VARIANCE is the Adam members' (1-bit LAMB's fresh "
+                         "variance sets its trust ratio's factor instead); unset it")
     if fields["refresh_interval"] is not None and member != "onebit_adam":
         why = ("0/1 Adam's refreshes follow its own schedule, ONEBIT_VAR_FREEZE_STEP"
                if member == "zero_one_adam" else "1-bit LAMB's frozen variance has no "
