@@ -26,6 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fidelity import WORKLOADS  # noqa: E402
 from record import append_run, shown  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from onebit_plugin.core.variance_follow import VarianceFollow  # noqa: E402
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -46,10 +49,35 @@ def main() -> None:
     gens = [torch.Generator().manual_seed(1000 * args.seed + r) for r in range(args.ranks)]
     marks = {args.phase_a_end, args.freeze, args.steps}
     roots: dict[int, dict[str, torch.Tensor]] = {}
+    # Per tensor, what a following denominator could track (onebit_plugin.core.variance_follow),
+    # each under Adam's average of its variance (b2, bias corrected): the averaged gradient's
+    # mean square, exactly ("rms") and from the sketches ("sketch"), and the ranks' mean
+    # |local gradient| ("l1", which each rank has alone).
+    follow, b2 = VarianceFollow(), 0.999
+    params = [q for q in model.parameters() if q.requires_grad]
+    kinds = ("rms", "sketch", "l1")
+    tracked = {k: [0.0] * len(params) for k in kinds}
+    averages: dict[int, dict[str, list]] = {}
     for step in range(1, args.steps + 1):
-        opt.zero_grad()
-        loss = sum(work.loss(model, work.batch_of(g)) for g in gens) / args.ranks
-        loss.backward()
+        summed = [torch.zeros_like(q) for q in params]
+        l1 = [0.0] * len(params)
+        for g in gens:  # each rank's own gradient, then their mean, as DDP forms it
+            opt.zero_grad()
+            work.loss(model, work.batch_of(g)).backward()
+            for i, q in enumerate(params):
+                l1[i] += float(q.grad.abs().mean()) / args.ranks
+                summed[i] += q.grad
+        with torch.no_grad():
+            for i, q in enumerate(params):
+                q.grad = summed[i].div_(args.ranks)
+                now = {"rms": float(q.grad.double().square().mean()),
+                       "sketch": float(follow.summary(q.grad, params).square().sum())
+                       / q.numel(), "l1": l1[i]}
+                for k in kinds:
+                    tracked[k][i] = (b2 * (1 - b2 ** (step - 1)) * tracked[k][i]
+                                     + (1 - b2) * now[k]) / (1 - b2**step)
+        if step in marks:
+            averages[step] = {k: list(v) for k, v in tracked.items()}
         opt.step()
         if scheduler is not None:
             scheduler.step()
@@ -58,8 +86,14 @@ def main() -> None:
                            model.named_parameters() if q in opt.state}
     rows = []
     last = roots[args.steps]
+    index = {n: i for i, n in enumerate(n for n, q in model.named_parameters()
+                                        if q.requires_grad)}
     for name, now in last.items():
         row = {"tensor": name, "numel": now.numel()}
+        for kind in ("rms", "sketch", "l1"):  # as a factor on sqrt(v): a root of the squares
+            power = 1.0 if kind == "l1" else 0.5
+            row[f"{kind}_ratio"] = (averages[args.steps][kind][index[name]]
+                                    / averages[args.freeze][kind][index[name]]) ** power
         for label, at in (("freeze", args.freeze), ("phase_a_end", args.phase_a_end)):
             then = roots[at][name]
             row[f"mean_ratio_{label}"] = float(now.mean() / then.mean())
@@ -69,12 +103,14 @@ def main() -> None:
         rows.append(row)
     lines = [f"{args.workload}, Adam, {args.ranks} batches a step, seed {args.seed}: sqrt(v) "
              f"at step {args.steps} against step {args.freeze} (and {args.phase_a_end})", "",
-             "| tensor | values | mean ratio | median coordinate ratio |", "|---|---|---|---|"]
+             "| tensor | values | mean ratio | median coordinate ratio | rms | sketch | l1 |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         median = (f"{r['median_ratio_freeze']:.2f} ({r['median_ratio_phase_a_end']:.2f})"
                   if r["median_ratio_freeze"] is not None else "-")
         lines.append(f"| {r['tensor']} | {r['numel']:,} | {r['mean_ratio_freeze']:.2f} "
-                     f"({r['mean_ratio_phase_a_end']:.2f}) | {median} |")
+                     f"({r['mean_ratio_phase_a_end']:.2f}) | {median} | {r['rms_ratio']:.2f} | "
+                     f"{r['sketch_ratio']:.2f} | {r['l1_ratio']:.2f} |")
     spread = [r["mean_ratio_freeze"] for r in rows]
     lines.append(f"\nmean ratios {min(spread):.2f}-{max(spread):.2f} "
                  f"(median over tensors {statistics.median(spread):.2f})")

@@ -1,0 +1,211 @@
+"""``follow_variance``: after the freeze each tensor's denominator follows the averaged
+gradients' scale, estimated from per-tensor sketches (``onebit_plugin.core.variance_follow``,
+issue 44). Bytes are counted at torch's collectives, not by the package."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from onebit_plugin import OneBitAdam, OneBitLamb, ZeroOneAdam, register_onebit_hook
+from onebit_plugin.core.variance_follow import WIDTH, VarianceFollow, scale
+from onebit_plugin.settings.config import settings_from_env
+from tests.dist_helpers import (
+    assert_ranks_identical,
+    counting_collectives,
+    resume,
+    run_ranks,
+    save_for_resume,
+)
+
+FREEZE = 4
+
+
+def _small():
+    """Every tensor holds at most WIDTH values: its sketch is exact (one partial row)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+
+
+def _growing_batch(step: int, rank: int = 0):
+    """Inputs whose scale grows with the step, so that the gradients do."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 3, generator=g) * (1 + step / 4), torch.randn(8, 2, generator=g)
+
+
+def test_one_process_is_adam_frozen_at_the_freeze_whose_denominator_scales_with_the_gradients():
+    """The algorithm in plain torch: Adam to the freeze; then ``m_hat / (denom * c)`` with
+    ``denom`` frozen and ``c = sqrt(v_bar_{t-1} / v_bar_freeze)``, ``v_bar`` each tensor's mean
+    square gradient under Adam's average (bias corrected), from the first step: a step divides
+    by the scale of the steps before it (0/1 Adam's local steps between two syncs share one)."""
+    steps, lr, (b1, b2), eps = 14, 1e-2, (0.9, 0.999), 1e-8
+    model, ref = _small(), _small()
+    opt = OneBitAdam(model.parameters(), lr=lr, freeze_step=FREEZE, bound_update=False)
+    m = [torch.zeros_like(p) for p in ref.parameters()]
+    v = [torch.zeros_like(p) for p in ref.parameters()]
+    vbar, frozen, at_freeze = [0.0] * len(m), None, None
+    for step in range(steps):
+        t = step + 1
+        x, y = _growing_batch(step)
+        for net in (model, ref):
+            net.zero_grad()
+            torch.nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+        with torch.no_grad():
+            for i, p in enumerate(ref.parameters()):
+                g = p.grad
+                c = 1.0 if t <= FREEZE else math.sqrt(vbar[i] / at_freeze[i])
+                square = float(g.double().square().mean())
+                vbar[i] = (b2 * (1 - b2 ** (t - 1)) * vbar[i] + (1 - b2) * square) / (1 - b2**t)
+                m[i].lerp_(g, 1 - b1)
+                if t <= FREEZE:
+                    v[i].mul_(b2).addcmul_(g, g, value=1 - b2)
+                    denom = (v[i] / (1 - b2**t)).sqrt() + eps
+                else:
+                    denom = frozen[i]
+                p.sub_(lr * (m[i] / (1 - b1**t)) / (denom * c))
+            if t == FREEZE:
+                frozen = [(vi / (1 - b2**t)).sqrt() + eps for vi in v]
+                at_freeze = list(vbar)
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=f"step {t}")
+    scales = [scale(opt.state[p]) for p in model.parameters()]
+    assert all(abs(s - 1) > 0.01 for s in scales), scales  # not the frozen algorithm
+
+
+def test_what_the_sketch_makes_of_a_tensors_structure_cancels():
+    """A gradient of one fixed shape whose size changes: the sketch's estimate is off by a
+    factor fixed by the shape and the signs, the ratio is exact."""
+    follow = VarianceFollow()
+    p = torch.zeros(64, 40)
+    shape = torch.linspace(-1, 1, p.numel()).reshape(p.shape).cos()  # smooth, not random
+    estimates = [float(follow.summary(shape * size, [p]).square().sum())
+                 for size in (1.0, 2.0, 5.0)]
+    truth = float(shape.square().sum())
+    assert estimates[0] != pytest.approx(truth, rel=1e-3)  # a fixed factor...
+    assert estimates[1] / estimates[0] == pytest.approx(4.0, rel=1e-5)  # ...that cancels
+    assert estimates[2] / estimates[0] == pytest.approx(25.0, rel=1e-5)
+
+
+def test_the_sketch_of_random_gradients_estimates_their_squared_norm():
+    """Over 400 random gradients (dense, and a few rows of an embedding), the mean estimate
+    is the mean squared norm within 5%: the signs make it unbiased."""
+    follow = VarianceFollow()
+    gen = torch.Generator().manual_seed(7)
+    p = torch.zeros(512, 32)
+    for kind in ("dense", "rows"):
+        ratio = []
+        for _ in range(400):
+            g = torch.randn(p.shape, generator=gen)
+            if kind == "rows":
+                g[torch.randperm(512, generator=gen)[:500]] = 0.0
+            ratio.append(float(follow.summary(g, [p]).square().sum() / g.square().sum()))
+        assert sum(ratio) / len(ratio) == pytest.approx(1.0, abs=0.05), kind
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.GELU(), torch.nn.Linear(48, 6))
+
+
+def _batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 24, generator=g) * (1 + step / 8), torch.randn(16, 6, generator=g)
+
+
+def _train(rank, world, ddp, steps, member="onebit_adam", follow=True, save=None, load=None):
+    model = _model()
+    if member == "onebit_adam":
+        opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=FREEZE,
+                         follow_variance=follow)
+    else:
+        opt = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=8, var_update_scaler=2,
+                          local_step_scaler=2, local_step_clipper=4, total_steps=steps,
+                          follow_variance=follow)
+    net = model
+    if ddp:
+        net = torch.nn.parallel.DistributedDataParallel(model)
+        register_onebit_hook(net, opt)
+    start = resume(load, rank, model, opt)
+    sent = [0]
+    real = counting_collectives(world, sent)
+    after, per_step, numbers = [], [], []
+    try:
+        for step in range(start, steps):
+            x, y = _batch(step, rank)
+            before = sent[0]
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+            per_step.append(sent[0] - before)
+            after.append([p.detach().clone() for p in model.parameters()])
+            numbers.append([(opt.state[p].get("variance_mean"), scale(opt.state[p]))
+                            for p in model.parameters()])
+            if save is not None and step + 1 == save[1]:
+                save_for_resume(save[0], rank, model, opt, step + 1)
+    finally:
+        import torch.distributed as dist
+        dist.all_to_all_single, dist.all_reduce = real
+    return after, per_step, numbers, getattr(opt, "phase", None)
+
+
+@pytest.mark.parametrize("ddp", [False, True], ids=["step", "ddp-hook"])
+def test_ranks_follow_alike_and_the_following_sends_its_sketches_only_after_the_freeze(ddp):
+    world, steps = 2, 12
+    on = run_ranks(_train, world, ddp, steps)
+    off = run_ranks(_train, world, ddp, steps, "onebit_adam", False)
+    for step in range(steps):
+        assert_ranks_identical([r[0][step] for r in on], f"parameters after step {step + 1}")
+        assert [r[2][step] for r in on][0] == [r[2][step] for r in on][1], step
+    params = sum(1 for _ in _model().parameters())
+    sketches = 2 * (world - 1) * params * WIDTH * 4 // world  # one ring allreduce, fp32
+    for step in range(steps):
+        extra = on[0][1][step] - off[0][1][step]
+        assert extra == (sketches if step + 1 > FREEZE else 0), step + 1
+    final = [s for _, s in on[0][2][-1]]
+    assert all(s > 1.05 for s in final), final  # the inputs grew 2.4x since the freeze
+    assert not torch.equal(on[0][0][-1][0], off[0][0][-1][0])
+
+
+def test_the_ddp_hook_and_the_step_follow_with_the_same_bits():
+    by_step = run_ranks(_train, 2, False, 12)
+    by_hook = run_ranks(_train, 2, True, 12)
+    for step in range(12):
+        assert_ranks_identical([by_step[0][0][step], by_hook[0][0][step]], f"step {step + 1}")
+        assert by_step[0][2][step] == by_hook[0][2][step], step + 1
+
+
+@pytest.mark.parametrize("member", ["onebit_adam", "zero_one_adam"])
+def test_a_following_run_resumes_bitwise(member, tmp_path):
+    steps = 20
+    whole = run_ranks(_train, 2, True, steps, member, True, (str(tmp_path / "ck"), 13))
+    resumed = run_ranks(_train, 2, True, steps, member, True, None, str(tmp_path / "ck"))
+    for rank in range(2):
+        assert_ranks_identical([whole[rank][0][-1], resumed[rank][0][-1]], "resumed")
+        assert whole[rank][2][-1] == resumed[rank][2][-1]
+    if member == "zero_one_adam":
+        assert whole[0][3] == "B"  # the resume crossed local steps and syncs
+        assert any(s != 1.0 for _, s in whole[0][2][-1])
+
+
+def test_the_option_is_the_adam_members_and_read_from_the_environment(monkeypatch):
+    with pytest.raises(TypeError, match="OneBitLamb.. takes no 'follow_variance'"):
+        OneBitLamb(torch.nn.Linear(2, 2).parameters(), freeze_step=2, follow_variance=False)
+    assert OneBitAdam(torch.nn.Linear(2, 2).parameters(), freeze_step=2).policy.follow
+    assert ZeroOneAdam(torch.nn.Linear(2, 2).parameters(), total_steps=10).policy.follow
+    assert OneBitAdam(torch.nn.Linear(2, 2).parameters(), freeze_step=2,
+                      follow_variance=False).policy.follow is None
+    monkeypatch.setenv("ONEBIT_ADAM", "1")
+    monkeypatch.setenv("ONEBIT_FREEZE_STEP", "5")
+    assert settings_from_env().member_options(None)["follow_variance"] is True
+    monkeypatch.setenv("ONEBIT_FOLLOW_VARIANCE", "0")
+    assert settings_from_env().member_options(None)["follow_variance"] is False
+    monkeypatch.setenv("ONEBIT_FOLLOW_VARIANCE", "maybe")
+    with pytest.raises(ValueError, match="ONEBIT_FOLLOW_VARIANCE must be 1 or 0"):
+        settings_from_env()
+    monkeypatch.setenv("ONEBIT_FOLLOW_VARIANCE", "1")
+    monkeypatch.setenv("ONEBIT_OPTIMIZER", "onebit_lamb")
+    with pytest.raises(ValueError, match="ONEBIT_FOLLOW_VARIANCE is the Adam members'"):
+        settings_from_env()
