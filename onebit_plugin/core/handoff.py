@@ -89,7 +89,7 @@ class HandOff:
         following where ``opt`` (the optimizer) follows."""
         follow = opt.policy.follow
         if follow is not None:
-            self.summaries[p] = follow.summary(grad, opt.trainable())
+            self.summaries[p] = follow.summary(grad)
         if self.sketch is None:
             return
         self.local_norms[p] = torch.linalg.vector_norm(grad, dtype=torch.float32)

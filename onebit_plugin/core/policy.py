@@ -31,7 +31,7 @@ from onebit_plugin.comm.allreduce import ExactAllreduce, OneBitAllreduce
 from onebit_plugin.core import compression_stage
 from onebit_plugin.core.exchanges import MomentumStep, StepExchange
 from onebit_plugin.core.gradient_average import GradientAverage
-from onebit_plugin.core.variance_follow import VarianceFollow, scale
+from onebit_plugin.core.variance_follow import VarianceFollow
 from onebit_plugin.core.warmup_stage import warmup_step
 from onebit_plugin.maths.freeze import CEILING
 from onebit_plugin.maths.update import adam_update_, frozen_update_
@@ -335,8 +335,7 @@ class AdamPolicy(Policy):
         frozen_update_(params, exp_avgs, denoms, counts, lr=group["lr"],
                        beta1=group["betas"][0], weight_decay=group["weight_decay"],
                        decoupled=group["decoupled_weight_decay"], bound=bound,
-                       masters=masters, averaged=averaged,
-                       scales=None if self.follow is None else [scale(s) for s in states])
+                       masters=masters, averaged=averaged)
 
     def refresh_moments_(self, group, params, grads, states, exp_avgs) -> None:
         beta1, beta2 = group["betas"]

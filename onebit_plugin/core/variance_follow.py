@@ -35,25 +35,28 @@ every ``SIGN_ROWS * WIDTH`` values).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
 from onebit_plugin.comm.byte_counts import ring_bytes
 from onebit_plugin.comm.collectives import wait_collectives
 
-__all__ = ["SIGN_ROWS", "WIDTH", "VarianceFollow", "follow_", "scale", "start_", "summaries"]
+__all__ = ["BLOCK", "WIDTH", "VarianceFollow", "follow_", "start_", "summaries"]
 
+BLOCK = 2048
 WIDTH = 16
-SIGN_ROWS = 1 << 18
 _SEED = 0xF011
-_MEAN, _REF, _COUNT = "variance_mean", "variance_ref", "variance_count"
+_MEAN, _REF, _COUNT, _APPLIED = ("variance_mean", "variance_ref", "variance_count",
+                                 "variance_scale")
+
+
+def _blocks(n: int) -> int:
+    return max(1, -(-n // BLOCK))
 
 
 class VarianceFollow:
-    """What the following keeps across steps: the signs, drawn at the first sketch from the
-    trainable tensors' largest (the same on every rank)."""
+    """What the following keeps across steps: the signs of a block's rows, the same on every
+    rank and for every block."""
 
     def __init__(self) -> None:
         self.signs: torch.Tensor | None = None
@@ -61,82 +64,107 @@ class VarianceFollow:
     def buffers(self) -> list[tuple[str, torch.Tensor]]:
         return [] if self.signs is None else [("variance-follow signs", self.signs)]
 
-    def _signs(self, trainable: list[torch.Tensor], device) -> torch.Tensor:
-        if self.signs is None or self.signs.device != device:
-            rows = min(SIGN_ROWS, max([p.numel() // WIDTH for p in trainable] + [1]))
-            gen = torch.Generator().manual_seed(_SEED)
-            bits = torch.randint(0, 2, (rows,), generator=gen, dtype=torch.int8)
-            self.signs = bits.mul_(2).sub_(1).to(device=device, dtype=torch.float32)
-        return self.signs
-
-    def summary(self, grad: torch.Tensor, trainable: list[torch.Tensor]) -> torch.Tensor:
-        """The sketch of one tensor's gradient ``grad`` (``WIDTH`` fp32 values)."""
+    def summary(self, grad: torch.Tensor) -> torch.Tensor:
+        """The sketches of one tensor's gradient ``grad``, block by block (``WIDTH`` fp32
+        values per block of ``BLOCK`` values, flat)."""
         flat = grad.reshape(-1)
         if flat.dtype != torch.float32:
             flat = flat.float()
-        out = torch.zeros(WIDTH, dtype=torch.float32, device=flat.device)
-        signs = self._signs(trainable, flat.device)
-        rows, reuse = flat.numel() // WIDTH, signs.numel()
-        for start in range(0, rows, reuse):
-            take = min(reuse, rows - start)
-            out.addmv_(flat[start * WIDTH:(start + take) * WIDTH].view(take, WIDTH).t(),
-                       signs[:take])
-        tail = flat[rows * WIDTH:]
-        if tail.numel():
-            out[: tail.numel()].addcmul_(tail, signs[rows % reuse].expand(tail.numel()))
-        return out
+        if self.signs is None or self.signs.device != flat.device:
+            gen = torch.Generator().manual_seed(_SEED)
+            bits = torch.randint(0, 2, (BLOCK // WIDTH,), generator=gen, dtype=torch.int8)
+            self.signs = bits.mul_(2).sub_(1).to(device=flat.device, dtype=torch.float32)
+        whole = flat.numel() // BLOCK
+        parts = []
+        if whole:
+            parts.append(torch.einsum("brw,r->bw", flat[: whole * BLOCK].view(
+                whole, BLOCK // WIDTH, WIDTH), self.signs))
+        if flat.numel() % BLOCK or not whole:
+            tail = torch.zeros(BLOCK, dtype=torch.float32, device=flat.device)
+            tail[: flat.numel() - whole * BLOCK] = flat[whole * BLOCK:]
+            parts.append(torch.einsum("rw,r->w", tail.view(BLOCK // WIDTH, WIDTH),
+                                      self.signs)[None])
+        return torch.cat(parts).reshape(-1)
 
 
 def summaries(opt, noted: dict | None = None) -> list[torch.Tensor]:
-    """Every trainable tensor's sketch, in order, of the gradient this rank holds: the DDP
+    """Every trainable tensor's sketches, in order, of the gradient this rank holds: the DDP
     hook's (``noted``, taken before ``p.grad`` came to hold the averaged momentum) or
     ``p.grad``'s (zeros for none). Taken before the step's exchange."""
-    trainable = opt.trainable()
     follow, noted = opt.policy.follow, noted or {}
     out = []
-    for p in trainable:
+    for p in opt.trainable():
         sketch = noted.get(p)
         if sketch is None:
-            sketch = (follow.summary(p.grad, trainable) if p.grad is not None else
-                      torch.zeros(WIDTH, dtype=torch.float32, device=p.device))
+            sketch = (follow.summary(p.grad) if p.grad is not None else
+                      torch.zeros(_blocks(p.numel()) * WIDTH, dtype=torch.float32,
+                                  device=p.device))
         out.append(sketch)
     return out
 
 
 def follow_(opt, sketches: list[torch.Tensor], coef: float | None = None, *,
-            local: bool = True) -> None:
-    """After a step: move each tensor's ``v_bar`` by the steps since its last move (its step
-    count less ``variance_count``) with the estimate from ``sketches``: each rank's sketch of
-    its local gradient (``local``: averaged here, one allreduce) or of the averaged gradient
-    it holds (nothing sent). ``coef``: the clipping coefficient the averaged gradient was
-    scaled by after it was sketched."""
+            local: bool = True, rescale: bool = True) -> None:
+    """After a step: move each block's ``v_bar`` by the steps since its tensor's last move
+    (its step count less ``variance_count``) with the estimate from ``sketches``: each rank's
+    sketches of its local gradient (``local``: averaged here, one allreduce) or of the
+    averaged gradient it holds (nothing sent); then the frozen denominators follow, where
+    the units are built (``rescale``; not on a refresh, which makes them again). ``coef``:
+    the clipping coefficient the averaged gradient was scaled by after it was sketched."""
     if not sketches:
         return
-    stacked = torch.stack(sketches)
+    flat = torch.cat(sketches)
     world = opt.world_size
     if local and world > 1:
-        work = dist.all_reduce(stacked, group=opt.comm_group, async_op=True)
+        work = dist.all_reduce(flat, group=opt.comm_group, async_op=True)
         wait_collectives([work], opt.comm_timeout, "the variance follow's allreduce",
                          opt.comm_group)
-        opt.counts.add_exact(ring_bytes(stacked.nbytes, world), 0)
-        stacked.div_(world)
-    squares = stacked.square_().sum(dim=1).tolist()
+        opt.counts.add_exact(ring_bytes(flat.nbytes, world), 0)
+        flat.div_(world)
     if coef is not None and coef < 1.0:
-        squares = [s * coef * coef for s in squares]
-    if not all(math.isfinite(s) for s in squares):
+        flat.mul_(coef)
+    if not bool(torch.isfinite(flat).all()):
         return  # a skipped step (the same on every rank): the variance moves with the next
-    for p, square in zip(opt.trainable(), squares, strict=True):
+    built = rescale and opt.layout is not None and bool(opt.layout.units)
+    offset = 0
+    for p in opt.trainable():
+        n, blocks = p.numel(), _blocks(p.numel())
+        squares = flat[offset: offset + blocks * WIDTH].view(blocks, WIDTH).square().sum(1)
+        offset += blocks * WIDTH
         state = opt.state[p]
         if "step" not in state:
             continue  # no gradient yet
-        n, t = state.get(_COUNT, 0.0), float(state["step"])
-        if t <= n:
+        done, t = state.get(_COUNT, 0.0), float(state["step"])
+        if t <= done:
             continue
+        sizes = torch.full((blocks,), float(BLOCK), device=squares.device)
+        sizes[-1] = n - (blocks - 1) * BLOCK
         beta2 = _beta2(opt, p)
-        kept = beta2 ** (t - n)
-        moved = kept * (1.0 - beta2 ** n) * state.get(_MEAN, 0.0) + \
-            (1.0 - kept) * square / max(p.numel(), 1)
-        state[_MEAN], state[_COUNT] = moved / (1.0 - beta2 ** t), t
+        kept = beta2 ** (t - done)
+        mean = state.get(_MEAN)
+        moved = squares.div_(sizes).mul_(1.0 - kept)
+        if mean is not None:
+            moved.add_(mean, alpha=kept * (1.0 - beta2 ** done))
+        state[_MEAN], state[_COUNT] = moved.div_(1.0 - beta2 ** t), t
+        if built and _REF in state:
+            _rescale(opt, p, state)
+
+
+def _rescale(opt, p: torch.Tensor, state: dict) -> None:
+    """The frozen denominator of ``p``, block by block, times ``sqrt(v_bar / v_bar when it
+    was made)`` (a block that had no gradient then keeps its own)."""
+    ref = state[_REF]
+    target = torch.where(ref > 0, (state[_MEAN] / ref.clamp(min=1e-38)).sqrt(),
+                         torch.ones_like(ref))
+    ratio = target / state[_APPLIED]
+    state[_APPLIED] = target
+    unit = opt.unit_of(p)
+    d = unit.view(p, unit.denom).reshape(-1)
+    whole = d.numel() // BLOCK
+    if whole:
+        d[: whole * BLOCK].view(whole, BLOCK).mul_(ratio[:whole, None])
+    if d.numel() % BLOCK:
+        d[whole * BLOCK:].mul_(ratio[-1])
 
 
 def _beta2(opt, p: torch.Tensor) -> float:
@@ -148,19 +176,14 @@ def _beta2(opt, p: torch.Tensor) -> float:
 
 def start_(opt, params=None) -> None:
     """The denominators of ``params`` (None: every trainable one that has not started, as at
-    the freeze; a resumed state's numbers are kept) were just made: the scale is 1 from here,
-    ``v_bar`` as it is now its reference."""
+    the freeze; a resumed state's numbers are kept) were just made from the variance: they
+    follow from here, ``v_bar`` as it is now their reference."""
     for p in opt.trainable():
         state = opt.state[p]
         if params is None and _REF in state or params is not None and p not in params:
             continue
-        state[_REF] = state.get(_MEAN, 0.0)
-
-
-def scale(state: dict) -> float:
-    """The factor on a parameter's denominator, ``sqrt(v_bar / v_bar when it was made)``; 1
-    before the following starts, or for a tensor that had no gradient then."""
-    ref = state.get(_REF)
-    if not ref or ref <= 0.0:
-        return 1.0
-    return math.sqrt(state[_MEAN] / ref)
+        mean = state.get(_MEAN)
+        if mean is None:
+            mean = torch.zeros(_blocks(p.numel()), dtype=torch.float32, device=p.device)
+        state[_REF] = mean.clone()
+        state[_APPLIED] = torch.ones_like(mean)

@@ -141,7 +141,6 @@ def frozen_update_(
     steps: list[float], *, lr: float, beta1: float, weight_decay: float, decoupled: bool,
     bound: float | None = 1.0, masters: list[torch.Tensor | None] | None = None,
     averaged: list[torch.Tensor | Encoded] | None = None,
-    scales: list[float] | None = None,
 ) -> None:
     """The compression-stage update of one parameter group: each parameter moves by
     ``-lr * m_hat / denom`` (``denom`` from :func:`frozen_denominator`, ``m_hat`` the averaged
@@ -162,10 +161,8 @@ def frozen_update_(
     new momenta (the optimizer passes its fold buffer, which holds the averaged momentum by
     then, or :class:`Encoded` parts of the allreduce's average, decoded by the same pass),
     copied into ``exp_avgs`` by the same pass and then free to be overwritten; without it
-    ``exp_avgs`` already hold them, and the torch passes allocate their ratios. ``scales``: a
-    factor on each parameter's ``denom`` (``onebit_plugin.core.variance_follow``; None: 1)."""
+    ``exp_avgs`` already hold them, and the torch passes allocate their ratios."""
     masters = masters or [None] * len(params)
-    scales = scales or [1.0] * len(params)
     p32 = [_fp32_param(p, m) for p, m in zip(params, masters, strict=True)]
     decay = 1 - lr * weight_decay if weight_decay != 0 and decoupled else 1.0
     # |m_hat / denom| <= 1 is |m / denom| <= 1 - b1**step, before m's bias correction.
@@ -181,9 +178,8 @@ def frozen_update_(
                 (encoded or fits_cpu_kernel(new)):
             # One pass instead of the six below, the same bits (kernels/cpu_update.c); an
             # encoded average decoded as it is read (the fold buffer neither written nor read).
-            rows.append((p, new, d, None if averaged is None else m,
-                         -(lr / (corrections[i] * scales[i])),
-                         None if bound is None else corrections[i] * bound * scales[i]))
+            rows.append((p, new, d, None if averaged is None else m, -(lr / corrections[i]),
+                         None if bound is None else corrections[i] * bound))
             continue
         if encoded:
             averaged[i] = new.decoded()
@@ -196,8 +192,7 @@ def frozen_update_(
             work = [averaged[i] for i in rest]
             torch._foreach_copy_([exp_avgs[i] for i in rest], work)
         _frozen_update_passes([p32[i] for i in rest], [exp_avgs[i] for i in rest],
-                              [denoms[i] for i in rest],
-                              [corrections[i] * scales[i] for i in rest],
+                              [denoms[i] for i in rest], [corrections[i] for i in rest],
                               lr=lr, decay=decay, bound=bound, work=work)
     for param, p in zip(params, p32, strict=True):
         _write_back(param, p)

@@ -259,11 +259,8 @@ def freeze_variances(opt) -> None:
 
 
 def corrections(opt, counts: list[float]) -> dict:
-    """m's bias correction ``1 - b1**t`` of every unit's parameter at its count, times the
-    factor on its denominator (``variance_follow.scale``: the sync converts by the
-    denominator the local steps divided by)."""
-    return {p: (1 - unit.hypers[p]["betas"][0] ** counts[opt.layout.step_index[p]])
-            * variance_follow.scale(opt.state[p])
+    """m's bias correction ``1 - b1**t`` of every unit's parameter at its count."""
+    return {p: 1 - unit.hypers[p]["betas"][0] ** counts[opt.layout.step_index[p]]
             for unit in opt.units for p in unit.params}
 
 
