@@ -81,7 +81,10 @@ def settle_units(opt) -> None:
     if saved is not None:
         checkpoint.load_unit_errors(opt, saved)
     if opt.policy.follow is not None:
-        variance_follow.start_(opt)  # a resumed state's own numbers are kept
+        # Made again (a resume, a change of the trainable parameters): denominators made from
+        # a kept variance take their factors back; a resumed state's numbers are kept.
+        variance_follow.reapply_(opt)
+        variance_follow.start_(opt)
     opt.policy.units_built(opt)
 
 

@@ -40,11 +40,12 @@ import torch.distributed as dist
 
 from onebit_plugin.comm.byte_counts import ring_bytes
 from onebit_plugin.comm.collectives import wait_collectives
+from onebit_plugin.maths.update import corrected_root
 
-__all__ = ["BLOCK", "WIDTH", "VarianceFollow", "follow_", "start_", "summaries"]
+__all__ = ["BLOCK", "WIDTH", "VarianceFollow", "follow_", "reapply_", "start_", "summaries"]
 
 BLOCK = 2048
-WIDTH = 16
+WIDTH = 4
 _SEED = 0xF011
 _MEAN, _REF, _COUNT, _APPLIED = ("variance_mean", "variance_ref", "variance_count",
                                  "variance_scale")
@@ -152,19 +153,47 @@ def follow_(opt, sketches: list[torch.Tensor], coef: float | None = None, *,
 
 def _rescale(opt, p: torch.Tensor, state: dict) -> None:
     """The frozen denominator of ``p``, block by block, times ``sqrt(v_bar / v_bar when it
-    was made)`` (a block that had no gradient then keeps its own)."""
+    was made)`` (a block that had no gradient then keeps its own). Where the variance is kept
+    (0/1 Adam's phase A, ``refresh_interval``) the denominator is made again from it and
+    scaled once, as a resume makes it (:func:`reapply_`); else scaled by the change, and
+    checkpoints hold it as it is."""
     ref = state[_REF]
     target = torch.where(ref > 0, (state[_MEAN] / ref.clamp(min=1e-38)).sqrt(),
                          torch.ones_like(ref))
-    ratio = target / state[_APPLIED]
-    state[_APPLIED] = target
     unit = opt.unit_of(p)
     d = unit.view(p, unit.denom).reshape(-1)
+    if "exp_avg_sq" in state:
+        _made_again(p, state, unit, d)
+        _times_blocks(d, target)
+    else:
+        _times_blocks(d, target / state[_APPLIED])
+    state[_APPLIED] = target
+
+
+def _made_again(p, state, unit, d) -> None:
+    """``sqrt(v_hat) + eps`` of the kept variance into ``d``, as the units make it."""
+    hypers = unit.hypers[p]
+    corrected_root(state["exp_avg_sq"].reshape(-1), state["frozen_step"],
+                   beta2=hypers["betas"][1], out=d)
+    d.add_(hypers["eps"])
+
+
+def _times_blocks(d: torch.Tensor, factor: torch.Tensor) -> None:
     whole = d.numel() // BLOCK
     if whole:
-        d[: whole * BLOCK].view(whole, BLOCK).mul_(ratio[:whole, None])
+        d[: whole * BLOCK].view(whole, BLOCK).mul_(factor[:whole, None])
     if d.numel() % BLOCK:
-        d[whole * BLOCK:].mul_(ratio[-1])
+        d[whole * BLOCK:].mul_(factor[-1])
+
+
+def reapply_(opt) -> None:
+    """The units were just made again (a resume, say) from a kept variance, whose
+    denominators are not in checkpoints: each takes the factor it had (:func:`_rescale`)."""
+    for unit in opt.units:
+        for p in unit.params:
+            state = opt.state[p]
+            if "exp_avg_sq" in state and _APPLIED in state:
+                _times_blocks(unit.view(p, unit.denom).reshape(-1), state[_APPLIED])
 
 
 def _beta2(opt, p: torch.Tensor) -> float:
