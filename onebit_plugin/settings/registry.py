@@ -56,12 +56,12 @@ class Member:
 
 MEMBERS: dict[str, Member] = {m.name: m for m in (
     Member("onebit_adam", "onebit_plugin.members.onebit_adam:OneBitAdam", "onebitadam",
-           (*_COMMON, "freeze_step", "refresh_interval"),
+           (*_COMMON, "freeze_step", "refresh_interval", "follow_variance"),
            # DeepSpeed's weight decay was added to the update, as AdamW's (decoupled).
            {"freeze_step": 100000, "decoupled_weight_decay": True}),
     Member("zero_one_adam", "onebit_plugin.members.zero_one_adam:ZeroOneAdam", "zerooneadam",
            (*_COMMON, "var_freeze_step", "var_update_scaler", "local_step_scaler",
-            "local_step_clipper"),
+            "local_step_clipper", "follow_variance"),
            {"var_freeze_step": 100000, "local_step_scaler": 32678}),
     Member("onebit_lamb", "onebit_plugin.members.onebit_lamb:OneBitLamb", "onebitlamb",
            (*_COMMON, "freeze_step", "max_coeff", "min_coeff", "coeff_beta", "factor_max",
