@@ -8,6 +8,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from onebit_plugin import OneBitAdam, ZeroOneAdam, register_onebit_hook
 from onebit_plugin.core.memory import buffer_bytes
+from onebit_plugin.core.variance_follow import BLOCK, WIDTH
 from onebit_plugin.wire.dispatch import cpu_kernel
 from tests.dist_helpers import run_ranks
 
@@ -39,8 +40,13 @@ def test_the_frozen_denominator_takes_the_variances_memory():
         assert opt.state[p]["frozen_denominator"].data_ptr() == variances[p]
     held = buffer_bytes(opt)
     # One process averages exactly: the fold is a tensor there, and no errors, no wire.
+    # follow_variance: three fp32 numbers per block of a tensor of several blocks (a single
+    # one's are not counted, as no 1-value tensor is), and the block's row signs.
+    blocks = [-(-p.numel() // BLOCK) for p in model.parameters()]
+    following = 12 * sum(b for b in blocks if b > 1) + 4 * (BLOCK // WIDTH)
     assert held == {"momentum": 4 * numel, "frozen denominator": 4 * numel,
-                    "fold buffer": 4 * numel, "masks": held["masks"]}
+                    "fold buffer": 4 * numel, "masks": held["masks"],
+                    "variance follow": following}
     assert held["masks"] <= 2 * numel
 
 

@@ -14,6 +14,11 @@ import torch
 __all__ = ["buffer_bytes"]
 
 
+# follow_variance's numbers, three per block of its values (core.variance_follow)
+_FOLLOWING = dict.fromkeys(("variance_mean", "variance_ref", "variance_scale"),
+                           "variance follow")
+
+
 def _tensors(opt) -> list[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` for every tensor the optimizer holds, most specific name first."""
     out = []
@@ -22,7 +27,8 @@ def _tensors(opt) -> list[tuple[str, torch.Tensor]]:
             if isinstance(value, torch.Tensor) and value.numel() > 1:
                 out.append(({"exp_avg": "momentum", "exp_avg_sq": "variance",
                              "frozen_denominator": "frozen denominator",
-                             "master": "master weights"}.get(key, f"state[{key!r}]"), value))
+                             "master": "master weights", **_FOLLOWING}.get(
+                                 key, f"state[{key!r}]"), value))
     for unit in opt.layout.units if opt.layout is not None else []:
         out.append(("frozen denominator", unit.denom))
         if unit._local is not None:  # made at its first use (not by asking here)

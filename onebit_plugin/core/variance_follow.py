@@ -63,7 +63,7 @@ class VarianceFollow:
         self.signs: torch.Tensor | None = None
 
     def buffers(self) -> list[tuple[str, torch.Tensor]]:
-        return [] if self.signs is None else [("variance-follow signs", self.signs)]
+        return [] if self.signs is None else [("variance follow", self.signs)]
 
     def summary(self, grad: torch.Tensor) -> torch.Tensor:
         """The sketches of one tensor's gradient ``grad``, block by block (``WIDTH`` fp32
