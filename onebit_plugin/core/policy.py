@@ -275,13 +275,13 @@ class AdamPolicy(Policy):
     ``t`` with ``t % N == 0`` is a refresh instead of a 1-bit step (the gradients averaged in
     ``warmup_bits``, the momentum and the variance updated from them, the refresh weighing the
     steps since the variance last changed, ``N`` or fewer for the first after the freeze:
-    :meth:`refresh_moments_`). Why: under a constant learning rate the gradients keep growing
-    after the freeze (``char_mlp``: per tensor, the mean of Adam's ``sqrt(v)`` 1.36-2.81x
-    larger at step 2,000 than at step 400), so a frozen denominator lets the steps grow up to
-    the bound (docs/benchmarks.md, "Wider workloads (issue 44)").
+    :meth:`refresh_moments_`). Why: Adam's variance keeps moving after the freeze, coordinate by
+    coordinate (``char_mlp``: the median coordinate's ``sqrt(v_hat)`` 1.81x in one layer, 0.29x
+    in another, from step 400 to 2,000), and a frozen denominator gets the steps wrong by as
+    much (docs/benchmarks.md, "Wider workloads (issue 44)").
 
-    ``follow_variance``: between refreshes, or with none, each tensor's denominator follows
-    the averaged gradients' scale at no cost in full-precision bytes
+    ``follow_variance`` (the default): between refreshes, or with none, each block's
+    denominator follows the averaged gradients' scale, for 1/64 bit per value a step
     (``onebit_plugin.core.variance_follow``)."""
 
     def __init__(self, exchange: Exchange, refresh_interval: int | None = None,

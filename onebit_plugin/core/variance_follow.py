@@ -1,36 +1,40 @@
-"""The frozen variance follows, tensor by tensor, the scale of the averaged gradients, without
-sending them (``follow_variance``, the Adam members' default; docs/usage.md, "A variance that
-follows").
+"""The frozen variance follows the averaged gradients, block by block, without sending them
+(``follow_variance``, the Adam members' default; docs/usage.md, "A variance that follows").
 
-Why: under a constant learning rate the gradients keep growing after the freeze (``char_mlp``
-of benchmarks/workloads.py: per tensor, the mean of Adam's ``sqrt(v)`` 1.36-2.81x larger at step
-2,000 than at the freeze, step 400), so a frozen denominator lets every step grow, up to the
-bound; refreshing the variance in full precision fixed it but cost a fifth of the bytes
-(``refresh_interval=16``: 3.65x fewer instead of 4.43x; docs/benchmarks.md, "Wider workloads").
-What moved was mostly each tensor's scale, which one number per tensor follows.
+Why: Adam's variance keeps moving after a freeze, and not by one factor per tensor. On
+``char_mlp`` (benchmarks/variance_drift.py, Adam, seed 0), from step 400 to 2,000 the median
+coordinate's ``sqrt(v_hat)`` moved by 1.81x in the embedding and by 0.29x in the output layer,
+whose tensor-wide mean square moved 0.97x: the frequent classes' rows, which hold the mean,
+stayed, the others shrank. A frozen denominator gets those steps wrong by as much (1-bit Adam
++1.45% against Adam there, 3 seeds). One factor per tensor, tried first, ended +1.29%; one per
+block of :data:`BLOCK` values leaves a median coordinate within 0.95-1.09x of its move (the
+biases of a layer, a single block, excepted) and ended +0.49% (docs/benchmarks.md, "Wider
+workloads").
 
-How: each tensor's averaged gradient is summarized by a sketch of :data:`WIDTH` values (a
-CountSketch: coordinate ``i`` of row ``r = i // WIDTH`` adds ``s_r * g_i`` to bucket
-``i mod WIDTH``, with random signs ``s_r`` the same on every rank). A sketch is linear: in the
-exact stage each rank sketches the averaged gradient it holds (nothing sent); in the
-compression stage each rank sketches its local gradient and one allreduce of ``WIDTH`` fp32
-values per tensor averages the sketches, which is the averaged gradient's sketch. Its squared
-norm estimates the averaged gradient's squared norm (without bias over the signs; relative
-standard deviation about ``sqrt(2 / WIDTH)`` = 35% per step, less after the average below); per
-tensor, its mean over the values feeds ``v_bar``, an average with Adam's own rule (``v <- b2**k v
-+ (1 - b2**k) a`` over the ``k`` steps since the last, bias corrected at the count), from the
-first step. The update divides by ``denom * sqrt(v_bar / v_bar when denom was made)``: the same
-estimate before and after, so what the sketch makes of a tensor's structure cancels. Each
-coordinate keeps its place relative to its tensor's; only the tensor's scale moves, as fast as
-Adam's variance would and no faster. Every rank computes the same numbers from the same bytes:
-the ranks stay alike. The numbers live in each parameter's optimizer state
-(``variance_mean``, ``variance_ref``, ``variance_count``): a checkpoint resumes them bit for bit.
+How: each block's averaged gradient is summarized by a sketch of :data:`WIDTH` values (a
+CountSketch: value ``j`` of a block adds ``s_r * g_j`` to bucket ``j mod WIDTH``, ``r = j //
+WIDTH``, with random signs ``s_r`` the same on every rank and for every block). A sketch is
+linear: in the exact stage each rank sketches the averaged gradient it holds (nothing sent); in
+the compression stage each rank sketches its local gradient and one allreduce of the sketches
+(``WIDTH`` fp32 values a block) averages them into the averaged gradient's. Its squared norm
+estimates the block's squared norm without bias over the signs (relative standard deviation
+about ``sqrt(2 / WIDTH)`` a step; the average below takes it over hundreds of steps). Per block,
+the mean square feeds ``v_bar``, an average with Adam's own rule (``v <- b2**k v + (1 - b2**k)
+a`` over the ``k`` steps since the last, bias corrected at the count) from the first step on.
+After each exchanging step the block's frozen denominator becomes ``denom * sqrt(v_bar /
+v_bar when denom was made)`` (the freeze, or a refresh): the same estimate before and after, so
+what the sketch makes of a block's structure cancels, and the scale moves as fast as Adam's
+variance would and no faster. The next step divides by it; 0/1 Adam's local steps between two
+syncs share one. Every rank computes the same numbers from the same bytes: the ranks stay
+alike. The numbers are optimizer state (``variance_mean``, ``variance_ref``,
+``variance_scale``, ``variance_count``), checkpoints hold the denominators as they are (or the
+variance and the factors, where the variance is kept), and a resume is bit for bit.
 
-Costs: ``WIDTH * 4`` bytes per tensor per exchanging compression-stage step (64; a 1-bit step
-sends about ``n / 8`` bytes for a tensor of ``n`` values) in one small allreduce (its latency),
-none on a local step; a pass over each gradient every step; the signs, ``4 / WIDTH`` bytes per
-row of the largest tensor (at most :data:`SIGN_ROWS` rows, 1 MiB; a larger tensor reuses them
-every ``SIGN_ROWS * WIDTH`` values).
+Costs: ``WIDTH * 4`` bytes a block per exchanging compression-stage step, 1/64 bit per value
+against the momentum's 1 (1-bit Adam on ``char_mlp``: 4.40x fewer bytes than Adam instead of
+4.43x; at 16 values a block 4.31x), in one small allreduce (its latency); none on a local step;
+a pass over each gradient every step; 12 bytes a block of state (0.006 per value) and the signs
+(``BLOCK / WIDTH`` fp32).
 """
 
 from __future__ import annotations

@@ -71,7 +71,11 @@ class OneBitAdam(OneBitOptimizer):
             away (an embedding-heavy model diverged to NaN without it). It also slows
             coordinates whose true step is inside the bound: short runs frozen early lost 2-5%
             of loss (docs/design.md, "Bounded steps"). False is the ablation.
-        refresh_interval: None (default): the variance stays frozen after the warm-up. ``N``:
+        follow_variance: True (default): after the freeze each block of 2,048 values keeps its
+            frozen denominator's coordinates in place but follows the block's scale, read from
+            4-value sketches of the gradients (1/64 bit per value a step;
+            ``onebit_plugin.core.variance_follow``). False: the paper's frozen variance.
+        refresh_interval: None (default): no full-precision refreshes after the warm-up. ``N``:
             every compression-stage step ``t`` with ``t % N == 0`` refreshes it instead of
             sending 1-bit momentum: the gradients are averaged in ``warmup_bits`` bits (as in
             the warm-up, with the DDP hook or without), the momentum and the variance take

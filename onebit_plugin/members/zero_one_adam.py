@@ -177,7 +177,9 @@ class ZeroOneAdam(OneBitOptimizer):
     ``mask_zero_variance``, ``masks``, ``process_group``, ``average_grads``, ``bound_update``
     (a sync moves the common point by at most ``lr`` per step, a local step a rank's by at
     most ``sqrt(W) * lr``: ``onebit_plugin.members.local_steps.local_bound``),
-    ``comm_timeout``, ``bucket_cap_mb``, ``max_skipped_steps``, ``master_weights``.
+    ``comm_timeout``, ``bucket_cap_mb``, ``max_skipped_steps``, ``master_weights``,
+    ``follow_variance`` (default True: from phase A's last refresh on, the denominators
+    follow each block's scale, updated at the syncs).
     """
 
     def __init__(
