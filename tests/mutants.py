@@ -404,6 +404,22 @@ MUTANTS = [
        "    (lambda *a: None)(opt.units, opt.state,",
        "tests/test_zero_one.py::"
        "test_phase_a_in_one_process_is_adam_whose_variance_moves_only_on_refresh_steps"),
+    # follow_variance (issue 44)
+    _m("follow-sketches-not-averaged", "row: follow_variance",
+       "onebit_plugin/core/variance_follow.py", "    if local and world > 1:\n",
+       "    if False:\n",
+       "tests/test_variance_follow.py::"
+       "test_ranks_follow_alike_and_the_following_sends_its_sketches_only_after_the_freeze"),
+    _m("follow-scale-without-the-root", "row: follow_variance",
+       "onebit_plugin/core/variance_follow.py",
+       "(state[_MEAN] / ref.clamp(min=1e-38)).sqrt()", "(state[_MEAN] / ref.clamp(min=1e-38))",
+       "tests/test_variance_follow.py::test_one_process_is_adam_frozen_at_the_freeze_whose_"
+       "denominator_scales_with_the_gradients"),
+    _m("follow-factors-lost-on-resume", "row: follow_variance",
+       "onebit_plugin/core/variance_follow.py",
+       '            if "exp_avg_sq" in state and _APPLIED in state:\n',
+       "            if False:\n",
+       "tests/test_refresh_interval.py::test_a_run_resumes_bitwise_between_refreshes"),
     # Memory (issue 30)
     _m("fold-buffer-made-up-front", "row: memory", UNIT,
        "        self._local = None\n        if local is not None:",
