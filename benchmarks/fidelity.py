@@ -89,7 +89,9 @@ ZERO_ONE = {"zero_one": {}, "zero_one_local16_early": {"local_step_scaler": 8},
             # A diagnostic (_capped_refreshes): phase A all run, its refresh interval never
             # past 8 or 16 (a variance that keeps following the gradients; no local steps).
             "zero_one_refresh8": {"var_freeze_step": 100_000},
-            "zero_one_refresh16": {"var_freeze_step": 100_000}}
+            "zero_one_refresh16": {"var_freeze_step": 100_000},
+            # The paper's frozen variance (follow_variance=False, issue 44).
+            "zero_one_frozen": {"follow_variance": False}}
 REFRESH_CAP = {"zero_one_refresh8": 8, "zero_one_refresh16": 16}
 # 1-bit Adam at fixed freeze steps other than FIXED_FREEZE (0/1 Adam's comparisons).
 ONEBIT_FIXED = {"onebit_fixed240": 240}
@@ -100,6 +102,8 @@ ONEBIT_REFRESH = {"onebit_auto_refresh16": ("auto", 16), "onebit_auto_refresh32"
 # What the frozen variance costs apart from the compression: the same freeze ("auto"), the
 # momentum averaged exactly (compress_momentum=False).
 ONEBIT_EXACT = ("onebit_auto_exact",)
+# The paper's frozen variance: the denominators do not follow (follow_variance=False).
+ONEBIT_FROZEN = ("onebit_auto_frozen",)
 # 1-bit LAMB on the large-batch workload: LAMB itself (never frozen), 1-bit LAMB's defaults
 # (freeze_step="auto"), and Adam at three learning rates.
 # What costs what: the same freeze with the momentum averaged exactly (the frozen ratio and
@@ -115,7 +119,8 @@ WARMUP_BITS = {f"{v}_w{bits}": (v, bits) for v in ("onebit_auto", "onebit_fixed"
                                                     *ONEBIT_REFRESH)
                for bits in (16, 8)}
 ALL_VARIANTS = (VARIANTS + list(ONEBIT_FIXED) + list(ONEBIT_REFRESH) + list(ONEBIT_EXACT)
-                + list(ZERO_ONE) + list(LAMB) + list(ADAM_LRS) + list(WARMUP_BITS))
+                + list(ONEBIT_FROZEN) + list(ZERO_ONE) + list(LAMB) + list(ADAM_LRS)
+                + list(WARMUP_BITS))
 # The two-level topology (issue 46), with --world 4 --local-world-size 2: "<variant>_flat" and
 # "<variant>_hier" for each member's variant, topology "flat" or "hierarchical".
 TOPOLOGY = {"_flat": "flat", "_hier": "hierarchical"}
@@ -230,6 +235,7 @@ def _optimizer(variant, ddp, lr):
                          freeze_step=FIXED_FREEZE if variant == "onebit_fixed" else freeze,
                          bound_update=variant != "onebit_auto_unbounded",
                          compress_momentum=variant not in ONEBIT_EXACT,
+                         follow_variance=variant not in ONEBIT_FROZEN,
                          master_weights=variant.endswith("_master"), **topology,
                          error_dtype="bfloat16" if variant.endswith("compact_errors")
                          else "float32")
