@@ -219,3 +219,49 @@ def test_the_option_is_the_adam_members_and_read_from_the_environment(monkeypatc
     monkeypatch.setenv("ONEBIT_OPTIMIZER", "onebit_lamb")
     with pytest.raises(ValueError, match="ONEBIT_FOLLOW_VARIANCE is the Adam members'"):
         settings_from_env()
+
+
+def test_a_string_is_not_an_on_off_setting():
+    with pytest.raises(ValueError, match="follow_variance must be True or False, got 'false'"):
+        OneBitAdam(torch.nn.Linear(2, 2).parameters(), freeze_step=2, follow_variance="false")
+    with pytest.raises(ValueError, match="bound_update must be True or False, got 'no'"):
+        ZeroOneAdam(torch.nn.Linear(2, 2).parameters(), total_steps=10, bound_update="no")
+
+
+def _stepped(follow: bool, steps: int = 8):
+    model = _small()
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=FREEZE, follow_variance=follow)
+    for step in range(steps):
+        x, y = _growing_batch(step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return model, opt
+
+
+def _go_on(model, opt, start: int, steps: int = 3):
+    for step in range(start, start + steps):
+        x, y = _growing_batch(step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("saved_with", [True, False])
+def test_resuming_with_the_other_setting_is_said_and_keeps_the_saved_denominators(saved_with,
+                                                                                  caplog):
+    model, opt = _stepped(saved_with)
+    saved = opt.state_dict()
+    denom = {i: s["frozen_denominator"].clone() for i, s in saved["state"].items()}
+    again = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=FREEZE,
+                       follow_variance=not saved_with)
+    with caplog.at_level("WARNING", logger="onebit_plugin"):
+        again.load_state_dict(saved)
+        _go_on(model, again, 8)
+    said = ("follow_variance=False on a state saved with it" if saved_with
+            else "follow_variance=True on a state saved without it")
+    assert caplog.text.count(said) == 1
+    for i, p in enumerate(model.parameters()):
+        assert torch.equal(again.state[p]["frozen_denominator"], denom[i])  # nothing follows
+        assert "variance_mean" not in again.state[p] or not saved_with
+    assert "variance_mean" not in again.state_dict()["state"][0] or not saved_with

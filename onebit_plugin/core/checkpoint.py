@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from onebit_plugin.core import variance_follow
+
 __all__ = ["Resumed", "load_onebit_state", "load_state", "load_unit_errors", "onebit_state"]
 
 log = logging.getLogger("onebit_plugin")
@@ -81,6 +83,8 @@ def load_state(opt, state_dict: dict, torch_load) -> None:
             # frozen_step is a number (a tensor in checkpoints of 0.x).
             opt.state[p][k] = (float(v) if k == "frozen_step" else
                                v.to(device="cpu" if k == "step" else p.device, copy=True))
+    if opt.policy.follow is None:
+        variance_follow.drop_numbers(opt)
     opt._forget_layout()
     if onebit is not None:
         load_onebit_state(opt, onebit)

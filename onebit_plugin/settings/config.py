@@ -64,6 +64,11 @@ _RULES = {
     "comm_timeout": (lambda v: v is None or v > 0, "> 0 seconds", "> 0 seconds"),
     "max_skipped_steps": (lambda v: _is_int(v, 1), "an int >= 1", ">= 1"),
     "bucket_cap_mb": (lambda v: v is None or v > 0, "> 0", "> 0"),
+    # On/off settings: a bool (or 0/1), never a string ("false" is truthy: it would turn on).
+    **dict.fromkeys(("mask_zero_variance", "average_grads", "compress_momentum",
+                     "bound_update", "master_weights", "follow_variance"),
+                    (lambda v: not isinstance(v, str) and v in (True, False),
+                     "True or False", "1 or 0")),
 }
 
 
