@@ -212,7 +212,7 @@ def _exact_lightning_worker(rank, world, compress):
 
         def configure_optimizers(self):
             return OneBitAdam(self.parameters(), lr=LR, freeze_step=FREEZE, weight_decay=0.01,
-                              compress_momentum=compress)
+                              compress_momentum=compress, follow_variance=compress)
 
     data = torch.utils.data.DataLoader(range(STEPS), batch_size=1)
     trainer = pl.Trainer(strategy=OneBitAdamStrategy(bucket_cap_mb=0.004), accelerator="cpu",

@@ -80,8 +80,10 @@ def test_under_the_ddp_hook_the_compression_stage_holds_errors_wire_and_masks_on
         for _, kinds, with_fold, _ in seen:
             assert with_fold == 0
             assert kinds == ["frozen denominator", "masks", "momentum", "server error",
-                             "wire", "worker error"]
+                             "variance follow", "wire", "worker error"]
         assert held["momentum"] == held["frozen denominator"] == 4 * numel
+        # follow_variance: 12 bytes a block of 2,048 values (0.006 a value) and its signs
+        assert held["variance follow"] < 0.01 * numel + 4096
         # padding to whole blocks: at most one block per unit and chunk beyond 4 and 2 bytes
         assert 4 * numel <= held["worker error"] < 4 * numel + 4 * 2048 * seen[0][3]
         assert held["wire"] < 1.0 * numel + 8 * 2048 * seen[0][3]

@@ -55,8 +55,10 @@ def _path(rank, path, compress):
     model = net if path == "plain" else DDP(net, bucket_cap_mb=CAP_MB)
     # The plain path is told the unit size; the hook takes DDP's bucket size.
     cap = CAP_MB if path in ("plain", "no-overlap") else None
+    # With compression the paths are compared with each other, follow_variance on (its
+    # sketches over several units); without, with the paper's frozen algorithm written out.
     opt = OneBitAdam(net.parameters(), lr=LR, freeze_step=FREEZE, weight_decay=0.01,
-                     compress_momentum=compress, bucket_cap_mb=cap)
+                     compress_momentum=compress, bucket_cap_mb=cap, follow_variance=compress)
     if path != "plain":
         register_onebit_hook(model, opt, overlap=path == "overlap")
     _train(model, opt, rank)

@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from onebit_plugin.comm.byte_counts import ring_bytes
 from onebit_plugin.comm.collectives import wait_collectives
+from onebit_plugin.comm.hierarchical import two_level_mean_
 from onebit_plugin.maths.update import corrected_root
 
 log = logging.getLogger("onebit_plugin")
@@ -54,7 +55,7 @@ __all__ = ["BLOCK", "WIDTH", "VarianceFollow", "drop_numbers", "follow_", "reapp
            "summaries"]
 
 BLOCK = 2048
-WIDTH = 4
+WIDTH = 2
 _SEED = 0xF011
 _MEAN, _REF, _COUNT, _APPLIED = ("variance_mean", "variance_ref", "variance_count",
                                  "variance_scale")
@@ -126,11 +127,17 @@ def follow_(opt, sketches: list[torch.Tensor], coef: float | None = None, *,
     flat = torch.cat(sketches)
     world = opt.world_size
     if local and world > 1:
-        work = dist.all_reduce(flat, group=opt.comm_group, async_op=True)
-        wait_collectives([work], opt.comm_timeout, "the variance follow's allreduce",
-                         opt.comm_group)
-        opt.counts.add_exact(ring_bytes(flat.nbytes, world), 0)
-        flat.div_(world)
+        # As the full-precision steps average: in two levels on hosts of several ranks (a
+        # host's ranks sum first and a quarter crosses per rank, not each rank's whole).
+        levels = opt.topology.levels(opt.comm_timeout, opt._device())
+        if levels is not None:
+            opt.counts.add_exact(two_level_mean_(flat, levels, opt.comm_timeout)[0], 0)
+        else:
+            work = dist.all_reduce(flat, group=opt.comm_group, async_op=True)
+            wait_collectives([work], opt.comm_timeout, "the variance follow's allreduce",
+                             opt.comm_group)
+            opt.counts.add_exact(ring_bytes(flat.nbytes, world), 0)
+            flat.div_(world)
     if coef is not None and coef < 1.0:
         flat.mul_(coef)
     if not bool(torch.isfinite(flat).all()):
@@ -156,53 +163,58 @@ def follow_(opt, sketches: list[torch.Tensor], coef: float | None = None, *,
         if mean is not None:
             moved.add_(mean, alpha=kept * (1.0 - beta2 ** done))
         state[_MEAN], state[_COUNT] = moved.div_(1.0 - beta2 ** t), t
+
         if built and _REF in state:
             _rescale(opt, p, state)
 
 
 def _rescale(opt, p: torch.Tensor, state: dict) -> None:
-    """The frozen denominator of ``p``, block by block, times ``sqrt(v_bar / v_bar when it
-    was made)`` (a block that had no gradient then keeps its own). Where the variance is kept
-    (0/1 Adam's phase A, ``refresh_interval``) the denominator is made again from it and
-    scaled once, as a resume makes it (:func:`reapply_`); else scaled by the change, and
-    checkpoints hold it as it is."""
+    """The frozen denominator ``sqrt(v_hat) + eps`` of ``p``, block by block, with its root
+    times ``sqrt(v_bar / v_bar when it was made)`` (a block that had no gradient then keeps
+    its own). ``eps`` is not scaled: a coordinate of zero variance keeps ``eps`` exactly, so
+    that the masks a resume makes from the denominators (``maths.masks.keep_mask``) are the
+    uninterrupted run's. Where the variance is kept (0/1 Adam's phase A, ``refresh_interval``)
+    the denominator is made again from it and scaled once, as a resume makes it
+    (:func:`reapply_`); else its root is scaled by the change, and checkpoints hold it."""
     ref = state[_REF]
     target = torch.where(ref > 0, (state[_MEAN] / ref.clamp(min=1e-38)).sqrt(),
                          torch.ones_like(ref))
     unit = opt.unit_of(p)
-    d = unit.view(p, unit.denom).reshape(-1)
+    d, eps = unit.view(p, unit.denom).reshape(-1), unit.hypers[p]["eps"]
     if "exp_avg_sq" in state:
-        _made_again(p, state, unit, d)
-        _times_blocks(d, target)
+        _made_again(p, state, unit, d, target)
     else:
-        _times_blocks(d, target / state[_APPLIED])
+        _times_blocks(d.sub_(eps), target / state[_APPLIED]).add_(eps)
     state[_APPLIED] = target
 
 
-def _made_again(p, state, unit, d) -> None:
-    """``sqrt(v_hat) + eps`` of the kept variance into ``d``, as the units make it."""
+def _made_again(p, state, unit, d, factor) -> None:
+    """``sqrt(v_hat) * factor + eps`` of the kept variance into ``d``, block by block."""
     hypers = unit.hypers[p]
     corrected_root(state["exp_avg_sq"].reshape(-1), state["frozen_step"],
                    beta2=hypers["betas"][1], out=d)
-    d.add_(hypers["eps"])
+    _times_blocks(d, factor).add_(hypers["eps"])
 
 
-def _times_blocks(d: torch.Tensor, factor: torch.Tensor) -> None:
+def _times_blocks(d: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     whole = d.numel() // BLOCK
     if whole:
         d[: whole * BLOCK].view(whole, BLOCK).mul_(factor[:whole, None])
     if d.numel() % BLOCK:
         d[whole * BLOCK:].mul_(factor[-1])
+    return d
 
 
 def reapply_(opt) -> None:
     """The units were just made again (a resume, say) from a kept variance, whose
-    denominators are not in checkpoints: each takes the factor it had (:func:`_rescale`)."""
+    denominators are not in checkpoints: each is made with the factor it had, as
+    :func:`_rescale` makes it."""
     for unit in opt.units:
         for p in unit.params:
             state = opt.state[p]
             if "exp_avg_sq" in state and _APPLIED in state:
-                _times_blocks(unit.view(p, unit.denom).reshape(-1), state[_APPLIED])
+                _made_again(p, state, unit, unit.view(p, unit.denom).reshape(-1),
+                            state[_APPLIED])
 
 
 def _beta2(opt, p: torch.Tensor) -> float:
