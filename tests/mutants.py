@@ -415,6 +415,12 @@ MUTANTS = [
        "(state[_MEAN] / ref.clamp(min=1e-38)).sqrt()", "(state[_MEAN] / ref.clamp(min=1e-38))",
        "tests/test_variance_follow.py::test_one_process_is_adam_frozen_at_the_freeze_whose_"
        "denominator_scales_with_the_gradients"),
+    _m("follow-scales-eps-too", "row: follow_variance",
+       "onebit_plugin/core/variance_follow.py",
+       "        _times_blocks(d.sub_(eps), target / state[_APPLIED]).add_(eps)\n",
+       "        _times_blocks(d, target / state[_APPLIED])\n",
+       "tests/test_variance_follow.py::"
+       "test_a_resume_masks_the_zero_variance_rows_as_the_uninterrupted_run_did"),
     _m("follow-factors-lost-on-resume", "row: follow_variance",
        "onebit_plugin/core/variance_follow.py",
        '            if "exp_avg_sq" in state and _APPLIED in state:\n',

@@ -270,3 +270,50 @@ def test_resuming_with_the_other_setting_is_said_and_keeps_the_saved_denominator
         assert torch.equal(again.state[p]["frozen_denominator"], denom[i])  # nothing follows
         assert "variance_mean" not in again.state[p] or not saved_with
     assert "variance_mean" not in again.state_dict()["state"][0] or not saved_with
+
+
+class _Rows(torch.nn.Module):
+    """An embedding whose rows 30-49 no batch uses: zero variance at the freeze, masked."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(50, 8)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, tokens):
+        return self.head(self.emb(tokens).mean(1))
+
+
+def _rows_run(rank, world, steps, save=None, load=None):
+    model = _Rows()
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=FREEZE)
+    net = torch.nn.parallel.DistributedDataParallel(model)
+    register_onebit_hook(net, opt)
+    start = resume(load, rank, model, opt)
+    for step in range(start, steps):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        tokens, y = torch.randint(0, 30, (8, 5), generator=g), torch.randint(0, 3, (8,),
+                                                                             generator=g)
+        opt.zero_grad()
+        # Small gradients (roots near 1e-5): the mask's bar, 1e-6 of their rms above eps, is
+        # then far below eps * c - eps.
+        (torch.nn.functional.cross_entropy(net(tokens), y) * 1e-3 * (1 + step / 4)).backward()
+        opt.step()
+        if save is not None and step + 1 == save[1]:
+            save_for_resume(save[0], rank, model, opt, step + 1)
+    return [p.detach().clone() for p in model.parameters()], scale(opt.state[model.emb.weight])
+
+
+def test_a_resume_masks_the_zero_variance_rows_as_the_uninterrupted_run_did(tmp_path):
+    """The factor scales each denominator's root, not its eps: a row of zero variance keeps
+    exactly eps, stays masked when a resume makes the masks again from the denominators, and
+    does not move (scaled with the root, eps * c passed the mask's test and took the 1-bit
+    noise)."""
+    whole = run_ranks(_rows_run, 2, 14, (str(tmp_path / "ck"), 9))
+    resumed = run_ranks(_rows_run, 2, 14, None, str(tmp_path / "ck"))
+    assert whole[0][1] != [1.0] and whole[0][1][0] > 1.0  # the embedding's block followed
+    init = _Rows().emb.weight.detach()
+    for rank in range(2):
+        assert_ranks_identical([whole[rank][0], resumed[rank][0]], "resumed")
+        assert torch.equal(resumed[rank][0][0][30:], init[30:])
