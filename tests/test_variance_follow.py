@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from onebit_plugin import OneBitAdam, OneBitLamb, ZeroOneAdam, register_onebit_hook
-from onebit_plugin.core.variance_follow import BLOCK, WIDTH, VarianceFollow
+from onebit_plugin.core.variance_follow import BLOCK, EVERY, WIDTH, VarianceFollow
 from onebit_plugin.settings.config import settings_from_env
 from tests.dist_helpers import (
     assert_ranks_identical,
@@ -47,14 +47,16 @@ def _growing_batch(step: int, rank: int = 0):
 def test_one_process_is_adam_frozen_at_the_freeze_whose_denominator_scales_with_the_gradients():
     """The algorithm in plain torch: Adam to the freeze; then ``m_hat / (denom * c)`` with
     ``denom`` frozen and ``c = sqrt(v_bar_{t-1} / v_bar_freeze)``, ``v_bar`` each tensor's mean
-    square gradient under Adam's average (bias corrected), from the first step: a step divides
-    by the scale of the steps before it (0/1 Adam's local steps between two syncs share one)."""
-    steps, lr, (b1, b2), eps = 14, 1e-2, (0.9, 0.999), 1e-8
+    square gradient under Adam's average (bias corrected), moved on every warm-up step and
+    every EVERY-th after, each move weighing the steps since the last: a step divides by the
+    scale of the steps before it (0/1 Adam's local steps between two syncs share one)."""
+    steps, lr, (b1, b2), eps = 18, 1e-2, (0.9, 0.999), 1e-8
     model, ref = _small(), _small()
     opt = OneBitAdam(model.parameters(), lr=lr, freeze_step=FREEZE, bound_update=False)
     m = [torch.zeros_like(p) for p in ref.parameters()]
     v = [torch.zeros_like(p) for p in ref.parameters()]
     vbar, frozen, at_freeze = [0.0] * len(m), None, None
+    last = 0  # the step v_bar last moved at
     for step in range(steps):
         t = step + 1
         x, y = _growing_batch(step)
@@ -63,11 +65,14 @@ def test_one_process_is_adam_frozen_at_the_freeze_whose_denominator_scales_with_
             torch.nn.functional.mse_loss(net(x), y).backward()
         opt.step()
         with torch.no_grad():
+            moves = t <= FREEZE or t % EVERY == 0  # every warm-up step, every EVERY-th after
             for i, p in enumerate(ref.parameters()):
                 g = p.grad
                 c = 1.0 if t <= FREEZE else math.sqrt(vbar[i] / at_freeze[i])
-                square = float(g.double().square().mean())
-                vbar[i] = (b2 * (1 - b2 ** (t - 1)) * vbar[i] + (1 - b2) * square) / (1 - b2**t)
+                if moves:  # the one gradient stands for the steps since the last move
+                    square, kept = float(g.double().square().mean()), b2 ** (t - last)
+                    vbar[i] = (kept * (1 - b2**last) * vbar[i] + (1 - kept) * square) / (
+                        1 - b2**t)
                 m[i].lerp_(g, 1 - b1)
                 if t <= FREEZE:
                     v[i].mul_(b2).addcmul_(g, g, value=1 - b2)
@@ -75,6 +80,7 @@ def test_one_process_is_adam_frozen_at_the_freeze_whose_denominator_scales_with_
                 else:
                     denom = frozen[i]
                 p.sub_(lr * (m[i] / (1 - b1**t)) / (denom * c))
+            last = t if moves else last
             if t == FREEZE:
                 frozen = [(vi / (1 - b2**t)).sqrt() + eps for vi in v]
                 at_freeze = list(vbar)
@@ -174,7 +180,8 @@ def test_ranks_follow_alike_and_the_following_sends_its_sketches_only_after_the_
     sketches = 2 * (world - 1) * blocks * WIDTH * 4 // world  # one ring allreduce, fp32
     for step in range(steps):
         extra = on[0][1][step] - off[0][1][step]
-        assert extra == (sketches if step + 1 > FREEZE else 0), step + 1
+        sketched = step + 1 > FREEZE and (step + 1) % EVERY == 0
+        assert extra == (sketches if sketched else 0), step + 1
     final = [s for _, scales in on[0][2][-1] for s in scales]
     assert all(abs(s - 1) > 0.01 for s in final), final  # every block follows
     assert final[0] > 1.3, final  # the first layer's weight: its inputs grew 2.4x since

@@ -113,7 +113,7 @@ def momentum_step(opt) -> None:
     now; the step is skipped on every rank if any unit came back non-finite."""
     handoff = opt.handoff
     averaged = handoff.averaged
-    follows = opt.policy.follow is not None
+    follows = variance_follow.samples(opt, opt.global_step)
     sketches = variance_follow.summaries(opt, handoff.summaries) if follows else None
     ok = True
     for unit in opt.units:

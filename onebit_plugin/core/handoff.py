@@ -13,6 +13,7 @@ import logging
 
 import torch
 
+from onebit_plugin.core import variance_follow
 from onebit_plugin.maths.norm_sketch import NormSketch, sketch_width
 
 __all__ = ["HandOff"]
@@ -85,11 +86,10 @@ class HandOff:
     def note_local_gradient(self, p: torch.Tensor, grad: torch.Tensor, opt) -> None:
         """The hook is about to fold ``p``'s local gradient: its norm and sketch are kept for
         ``clip_grad_norm_``, since ``p.grad`` will hold the averaged momentum before anyone can
-        clip it (nothing is computed while nobody clips); and its summary for the variance's
-        following where ``opt`` (the optimizer) follows."""
-        follow = opt.policy.follow
-        if follow is not None:
-            self.summaries[p] = follow.summary(grad)
+        clip it (nothing is computed while nobody clips); and its sketch where ``opt`` (the
+        optimizer) follows the variance on this step."""
+        if variance_follow.samples(opt, opt.global_step + 1):  # the coming step's
+            self.summaries[p] = opt.policy.follow.summary(grad)
         if self.sketch is None:
             return
         self.local_norms[p] = torch.linalg.vector_norm(grad, dtype=torch.float32)
