@@ -41,9 +41,10 @@ def test_the_frozen_denominator_takes_the_variances_memory():
     held = buffer_bytes(opt)
     # One process averages exactly: the fold is a tensor there, and no errors, no wire.
     # follow_variance: three fp32 numbers per block of a tensor of several blocks (a single
-    # one's are not counted, as no 1-value tensor is), and the block's row signs.
+    # one's are not counted, as no 1-value tensor is), and a sketching step's row signs.
     blocks = [-(-p.numel() // BLOCK) for p in model.parameters()]
-    following = 12 * sum(b for b in blocks if b > 1) + 4 * (BLOCK // WIDTH)
+    drawn = opt.policy.follow.signs is not None
+    following = 12 * sum(b for b in blocks if b > 1) + 4 * (BLOCK // WIDTH) * drawn
     assert held == {"momentum": 4 * numel, "frozen denominator": 4 * numel,
                     "fold buffer": 4 * numel, "masks": held["masks"],
                     "variance follow": following}

@@ -152,7 +152,7 @@ def refresh_step(opt) -> None:
                          opt._masks, opt.config.mask_zero_variance)
     counts = count_step(opt)
     if opt.policy.follow is not None:  # the refreshed denominators' reference
-        variance_follow.follow_(opt, variance_follow.summaries(opt), local=False,
+        variance_follow.follow_(opt, variance_follow.summaries(opt, exact=True), local=False,
                                 rescale=False)
         variance_follow.start_(opt, set(trainable))
     frozen_update(opt, counts, averaged=False)

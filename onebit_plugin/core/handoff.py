@@ -89,7 +89,7 @@ class HandOff:
         clip it (nothing is computed while nobody clips); and its sketch where ``opt`` (the
         optimizer) follows the variance on this step."""
         if variance_follow.samples(opt, opt.global_step + 1):  # the coming step's
-            self.summaries[p] = opt.policy.follow.summary(grad)
+            self.summaries[p] = opt.policy.follow.summary(grad, opt.global_step + 1)
         if self.sketch is None:
             return
         self.local_norms[p] = torch.linalg.vector_norm(grad, dtype=torch.float32)

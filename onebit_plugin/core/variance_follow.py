@@ -11,30 +11,29 @@ block of :data:`BLOCK` values leaves a median coordinate within 0.95-1.09x of it
 biases of a layer, a single block, excepted) and ended +0.49% (docs/benchmarks.md, "Wider
 workloads").
 
-How: each block's averaged gradient is summarized by a sketch of :data:`WIDTH` values (a
-CountSketch: value ``j`` of a block adds ``s_r * g_j`` to bucket ``j mod WIDTH``, ``r = j //
-WIDTH``, with random signs ``s_r`` the same on every rank and for every block). A sketch is
-linear: in the exact stage each rank sketches the averaged gradient it holds (nothing sent); in
-the compression stage each rank sketches its local gradient and one allreduce of the sketches
-(``WIDTH`` fp32 values a block) averages them into the averaged gradient's. Its squared norm
-estimates the block's squared norm without bias over the signs (relative standard deviation
-about ``sqrt(2 / WIDTH)`` a step; the average below takes it over hundreds of steps). Per block,
-the mean square feeds ``v_bar``, an average with Adam's own rule (``v <- b2**k v + (1 - b2**k)
-a`` over the ``k`` steps since the last, bias corrected at the count) from the first step on.
-After each exchanging step the block's frozen denominator becomes ``denom * sqrt(v_bar /
-v_bar when denom was made)`` (the freeze, or a refresh): the same estimate before and after, so
-what the sketch makes of a block's structure cancels, and the scale moves as fast as Adam's
-variance would and no faster. The next step divides by it; 0/1 Adam's local steps between two
-syncs share one. Every rank computes the same numbers from the same bytes: the ranks stay
-alike. The numbers are optimizer state (``variance_mean``, ``variance_ref``,
-``variance_scale``, ``variance_count``), checkpoints hold the denominators as they are (or the
-variance and the factors, where the variance is kept), and a resume is bit for bit.
+How: per block, ``v_bar`` is the mean square of the averaged gradient under Adam's own average
+(``v <- b2**k v + (1 - b2**k) a`` over the ``k`` steps since the last move, bias corrected at
+the count), from the first step on. In the exact stage (and on a refresh) every rank holds the
+averaged gradient: ``a`` is exact, nothing is sent. In the compression stage no rank holds it:
+each rank sketches its local gradient into :data:`WIDTH` values a block (a CountSketch: value
+``j`` of a block adds ``s_r * g_j`` to bucket ``j mod WIDTH``, ``r = j // WIDTH``, with random
+signs ``s_r`` drawn from the step's number, the same on every rank and for every block of the
+step), one allreduce averages the sketches, which is the averaged gradient's sketch (a sketch
+is linear), and its squared norm estimates the block's squared norm. The estimate is unbiased
+over the signs, which each step draws afresh, so the average takes a block's structure out
+with the noise (relative standard deviation about 1 a step at ``WIDTH`` 2). 1-bit momentum
+steps sketch every :data:`EVERY`-th step, 0/1 Adam's syncs every one. After each move the
+block's frozen denominator ``sqrt(v_hat) + eps`` becomes ``sqrt(v_hat) * sqrt(v_bar / v_bar
+when it was made) + eps`` (the freeze, or a refresh); the next step divides by it, and 0/1
+Adam's local steps between two syncs share one. Every rank computes the same numbers from the
+same bytes: the ranks stay alike. The numbers are optimizer state (``variance_mean``,
+``variance_ref``, ``variance_scale``, ``variance_count``); checkpoints hold the denominators as
+they are (or the variance and the factors, where the variance is kept): a resume is bit for
+bit.
 
-Costs: ``WIDTH * 4`` bytes a block per exchanging compression-stage step, 1/16 bit per value
-against the momentum's 1 (1-bit Adam on ``char_mlp``: 4.40x fewer bytes than Adam instead of
-4.43x; at 16 values a block 4.31x), in one small allreduce (its latency); none on a local step;
-a pass over each gradient every step; 12 bytes a block of state (0.006 per value) and the signs
-(``BLOCK / WIDTH`` fp32).
+Costs: ``WIDTH * 4`` bytes a block (8: 1/256 byte a value) on a sketching step, in one small
+allreduce (its latency), none on other steps; every step a pass over each gradient; 12 bytes
+of state a block (0.006 a value) and a step's signs (``BLOCK / WIDTH`` fp32).
 """
 
 from __future__ import annotations
@@ -71,36 +70,56 @@ def _blocks(n: int) -> int:
 
 
 class VarianceFollow:
-    """What the following keeps across steps: the signs of a block's rows, the same on every
-    rank and for every block."""
+    """What the following keeps across steps: the row signs of the current step (drawn from
+    the step's number, the same on every rank and for every block of the step)."""
 
     def __init__(self) -> None:
         self.signs: torch.Tensor | None = None
+        self._drawn: tuple | None = None
 
     def buffers(self) -> list[tuple[str, torch.Tensor]]:
         return [] if self.signs is None else [("variance follow", self.signs)]
 
-    def summary(self, grad: torch.Tensor) -> torch.Tensor:
-        """The sketches of one tensor's gradient ``grad``, block by block (``WIDTH`` fp32
-        values per block of ``BLOCK`` values, flat)."""
-        flat = grad.reshape(-1)
-        if flat.dtype != torch.float32:
-            flat = flat.float()
-        if self.signs is None or self.signs.device != flat.device:
-            gen = torch.Generator().manual_seed(_SEED)
+    def _signs(self, t: int, device) -> torch.Tensor:
+        if self._drawn != (t, device):
+            gen = torch.Generator().manual_seed(_SEED * 1_000_003 + t)
             bits = torch.randint(0, 2, (BLOCK // WIDTH,), generator=gen, dtype=torch.int8)
-            self.signs = bits.mul_(2).sub_(1).to(device=flat.device, dtype=torch.float32)
+            self.signs = bits.mul_(2).sub_(1).to(device=device, dtype=torch.float32)
+            self._drawn = (t, device)
+        return self.signs
+
+    def summary(self, grad: torch.Tensor, t: int) -> torch.Tensor:
+        """The sketches of one tensor's gradient ``grad`` at step ``t``, block by block
+        (``WIDTH`` fp32 values per block of ``BLOCK`` values, flat)."""
+        flat = _fp32_flat(grad)
+        signs = self._signs(t, flat.device)
         whole = flat.numel() // BLOCK
         parts = []
         if whole:
             parts.append(torch.einsum("brw,r->bw", flat[: whole * BLOCK].view(
-                whole, BLOCK // WIDTH, WIDTH), self.signs))
+                whole, BLOCK // WIDTH, WIDTH), signs))
         if flat.numel() % BLOCK or not whole:
             tail = torch.zeros(BLOCK, dtype=torch.float32, device=flat.device)
             tail[: flat.numel() - whole * BLOCK] = flat[whole * BLOCK:]
-            parts.append(torch.einsum("rw,r->w", tail.view(BLOCK // WIDTH, WIDTH),
-                                      self.signs)[None])
+            parts.append(torch.einsum("rw,r->w", tail.view(BLOCK // WIDTH, WIDTH), signs)[None])
         return torch.cat(parts).reshape(-1)
+
+
+def _fp32_flat(grad: torch.Tensor) -> torch.Tensor:
+    flat = grad.reshape(-1)
+    return flat if flat.dtype == torch.float32 else flat.float()
+
+
+def _block_squares(grad: torch.Tensor) -> torch.Tensor:
+    """Each block's exact sum of squares (a gradient every rank holds averaged)."""
+    flat = _fp32_flat(grad)
+    whole = flat.numel() // BLOCK
+    parts = []
+    if whole:
+        parts.append(flat[: whole * BLOCK].view(whole, BLOCK).square().sum(1))
+    if flat.numel() % BLOCK or not whole:
+        parts.append(flat[whole * BLOCK:].square().sum().reshape(1))
+    return torch.cat(parts)
 
 
 def samples(opt, t: int) -> bool:
@@ -108,33 +127,38 @@ def samples(opt, t: int) -> bool:
     return opt.policy.follow is not None and t % EVERY == 0
 
 
-def summaries(opt, noted: dict | None = None) -> list[torch.Tensor]:
-    """Every trainable tensor's sketches, in order, of the gradient this rank holds: the DDP
-    hook's (``noted``, taken before ``p.grad`` came to hold the averaged momentum) or
-    ``p.grad``'s (zeros for none). Taken before the step's exchange."""
-    follow, noted = opt.policy.follow, noted or {}
+def summaries(opt, noted: dict | None = None, *, exact: bool = False) -> list[torch.Tensor]:
+    """Every trainable tensor's part, in order, of the gradient this rank holds: the sketches
+    of step ``opt.global_step`` (the DDP hook's, ``noted``, taken before ``p.grad`` came to
+    hold the averaged momentum, or ``p.grad``'s), or with ``exact`` (a gradient every rank
+    holds averaged) each block's sum of squares; zeros for no gradient. Taken before the
+    step's exchange."""
+    follow, noted, t = opt.policy.follow, noted or {}, opt.global_step
     out = []
     for p in opt.trainable():
-        sketch = noted.get(p)
-        if sketch is None:
-            sketch = (follow.summary(p.grad) if p.grad is not None else
-                      torch.zeros(_blocks(p.numel()) * WIDTH, dtype=torch.float32,
-                                  device=p.device))
-        out.append(sketch)
+        part = None if exact else noted.get(p)
+        if part is None and p.grad is not None:
+            part = _block_squares(p.grad) if exact else follow.summary(p.grad, t)
+        if part is None:
+            part = torch.zeros(_blocks(p.numel()) * (1 if exact else WIDTH),
+                               dtype=torch.float32, device=p.device)
+        out.append(part)
     return out
 
 
-def follow_(opt, sketches: list[torch.Tensor], coef: float | None = None, *,
+def follow_(opt, parts: list[torch.Tensor], coef: float | None = None, *,
             local: bool = True, rescale: bool = True) -> None:
     """After a step: move each block's ``v_bar`` by the steps since its tensor's last move
-    (its step count less ``variance_count``) with the estimate from ``sketches``: each rank's
-    sketches of its local gradient (``local``: averaged here, one allreduce) or of the
-    averaged gradient it holds (nothing sent); then the frozen denominators follow, where
-    the units are built (``rescale``; not on a refresh, which makes them again). ``coef``:
-    the clipping coefficient the averaged gradient was scaled by after it was sketched."""
-    if not sketches:
+    (its step count less ``variance_count``) with the estimate from ``parts``
+    (:func:`summaries`): each rank's sketches of its local gradient (``local``: averaged here,
+    one allreduce, the square of the average's norm the estimate), or each block's sum of
+    squares of the averaged gradient every rank holds (nothing sent); then the frozen
+    denominators follow, where the units are built (``rescale``; not on a refresh, which
+    makes them again). ``coef``: the clipping coefficient the averaged gradient was scaled
+    by after it was sketched."""
+    if not parts:
         return
-    flat = torch.cat(sketches)
+    flat = torch.cat(parts)
     world = opt.world_size
     if local and world > 1:
         # As the full-precision steps average: in two levels on hosts of several ranks (a
@@ -149,15 +173,17 @@ def follow_(opt, sketches: list[torch.Tensor], coef: float | None = None, *,
             opt.counts.add_exact(ring_bytes(flat.nbytes, world), 0)
             flat.div_(world)
     if coef is not None and coef < 1.0:
-        flat.mul_(coef)
+        flat.mul_(coef if local else coef * coef)
     if not bool(torch.isfinite(flat).all()):
         return  # a skipped step (the same on every rank): the variance moves with the next
     built = rescale and opt.layout is not None and bool(opt.layout.units)
     offset = 0
+    width = WIDTH if local else 1
     for p in opt.trainable():
         n, blocks = p.numel(), _blocks(p.numel())
-        squares = flat[offset: offset + blocks * WIDTH].view(blocks, WIDTH).square().sum(1)
-        offset += blocks * WIDTH
+        squares = flat[offset: offset + blocks * width]
+        squares = squares.view(blocks, WIDTH).square().sum(1) if local else squares.clone()
+        offset += blocks * width
         state = opt.state[p]
         if "step" not in state:
             continue  # no gradient yet

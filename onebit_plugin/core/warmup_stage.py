@@ -35,7 +35,7 @@ def warmup_step(opt) -> None:
                 opt.policy.warmup_update_(g, params, states, [
                     opt._master(p, s) for p, s in zip(params, states, strict=True)])
         if opt.policy.follow is not None:  # the averaged gradients' scale, sending nothing
-            variance_follow.follow_(opt, variance_follow.summaries(opt), local=False)
+            variance_follow.follow_(opt, variance_follow.summaries(opt, exact=True), local=False)
     if opt.shards is not None and opt.shards.alone:
         return  # nothing to compress: FSDP2 shards over every rank (comm.shards)
     if opt.policy.stage_changes(opt.global_step - opt.skipped_steps,  # applied steps
