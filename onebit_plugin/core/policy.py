@@ -281,7 +281,7 @@ class AdamPolicy(Policy):
     much (docs/benchmarks.md, "Wider workloads (issue 44)").
 
     ``follow_variance`` (the default): between refreshes, or with none, each block's
-    denominator follows the averaged gradients' scale, for 1/16 bit per value a step
+    denominator follows the averaged gradients' scale, for 1/128 bit per value a step
     (``onebit_plugin.core.variance_follow``)."""
 
     def __init__(self, exchange: Exchange, refresh_interval: int | None = None,

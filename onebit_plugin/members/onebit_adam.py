@@ -73,7 +73,7 @@ class OneBitAdam(OneBitOptimizer):
             of loss (docs/design.md, "Bounded steps"). False is the ablation.
         follow_variance: True (default): after the freeze each block of 2,048 values keeps its
             frozen denominator's coordinates in place but follows the block's scale, read from
-            4-value sketches of the gradients (1/16 bit per value a step;
+            2-value sketches of the gradients on every 4th step (1/128 bit per value a step;
             ``onebit_plugin.core.variance_follow``). False: the paper's frozen variance.
         refresh_interval: None (default): no full-precision refreshes after the warm-up. ``N``:
             every compression-stage step ``t`` with ``t % N == 0`` refreshes it instead of
