@@ -425,7 +425,7 @@ MUTANTS = [
        "onebit_plugin/core/variance_follow.py",
        '            if "exp_avg_sq" in state and _APPLIED in state:\n',
        "            if False:\n",
-       "tests/test_refresh_interval.py::test_a_run_resumes_bitwise_between_refreshes"),
+       "tests/test_variance_follow.py::test_a_following_run_resumes_bitwise"),
     # Memory (issue 30)
     _m("fold-buffer-made-up-front", "row: memory", UNIT,
        "        self._local = None\n        if local is not None:",
