@@ -223,7 +223,10 @@ def test_the_option_is_the_adam_members_and_read_from_the_environment(monkeypatc
     with pytest.raises(TypeError, match="OneBitLamb.. takes no 'follow_variance'"):
         OneBitLamb(torch.nn.Linear(2, 2).parameters(), freeze_step=2, follow_variance=False)
     assert OneBitAdam(torch.nn.Linear(2, 2).parameters(), freeze_step=2).policy.follow
-    assert ZeroOneAdam(torch.nn.Linear(2, 2).parameters(), total_steps=10).policy.follow
+    # 0/1 Adam's is off unless asked (measured: it cost bow_topics; members.zero_one_adam)
+    assert ZeroOneAdam(torch.nn.Linear(2, 2).parameters(), total_steps=10).policy.follow is None
+    assert ZeroOneAdam(torch.nn.Linear(2, 2).parameters(), total_steps=10,
+                       follow_variance=True).policy.follow
     assert OneBitAdam(torch.nn.Linear(2, 2).parameters(), freeze_step=2,
                       follow_variance=False).policy.follow is None
     monkeypatch.setenv("ONEBIT_ADAM", "1")
@@ -231,6 +234,14 @@ def test_the_option_is_the_adam_members_and_read_from_the_environment(monkeypatc
     assert settings_from_env().member_options(None)["follow_variance"] is True
     monkeypatch.setenv("ONEBIT_FOLLOW_VARIANCE", "0")
     assert settings_from_env().member_options(None)["follow_variance"] is False
+    monkeypatch.setenv("ONEBIT_OPTIMIZER", "zero_one_adam")
+    monkeypatch.delenv("ONEBIT_FOLLOW_VARIANCE")
+    monkeypatch.delenv("ONEBIT_FREEZE_STEP")
+    assert settings_from_env().member_options(100)["follow_variance"] is False
+    monkeypatch.setenv("ONEBIT_FOLLOW_VARIANCE", "1")
+    assert settings_from_env().member_options(100)["follow_variance"] is True
+    monkeypatch.setenv("ONEBIT_OPTIMIZER", "onebit_adam")
+    monkeypatch.setenv("ONEBIT_FREEZE_STEP", "5")
     monkeypatch.setenv("ONEBIT_FOLLOW_VARIANCE", "maybe")
     with pytest.raises(ValueError, match="ONEBIT_FOLLOW_VARIANCE must be 1 or 0"):
         settings_from_env()

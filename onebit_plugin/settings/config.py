@@ -361,7 +361,8 @@ def settings_from_env() -> EnvSettings | None:
         error_dtype=os.environ.get("ONEBIT_ERROR_DTYPE", "").strip() or "float32",
         warmup_bits=32 if (bits := _env_int("ONEBIT_WARMUP_BITS")) is None else bits,
         refresh_interval=_env_int("ONEBIT_REFRESH_INTERVAL"),
-        follow_variance=flag("ONEBIT_FOLLOW_VARIANCE", "1"),
+        # 0/1 Adam's own default is off (members.zero_one_adam says why).
+        follow_variance=flag("ONEBIT_FOLLOW_VARIANCE", "0" if member == "zero_one_adam" else "1"),
         topology=os.environ.get("ONEBIT_TOPOLOGY", "").strip() or "auto",
     )
     if "ONEBIT_FOLLOW_VARIANCE" in os.environ and member == "onebit_lamb":
