@@ -8,8 +8,8 @@ whose tensor-wide mean square moved 0.97x: the frequent classes' rows, which hol
 stayed, the others shrank. A frozen denominator gets those steps wrong by as much (1-bit Adam
 +1.45% against Adam there, 3 seeds). One factor per tensor, tried first, ended +1.29%; one per
 block of :data:`BLOCK` values leaves a median coordinate within 0.95-1.09x of its move (the
-biases of a layer, a single block, excepted) and ended +0.49% (docs/benchmarks.md, "Wider
-workloads").
+biases of a layer, a single block, excepted) and ends +0.46% at the same bytes
+(docs/benchmarks.md, "Wider workloads").
 
 How: per block, ``v_bar`` is the mean square of the averaged gradient under Adam's own average
 (``v <- b2**k v + (1 - b2**k) a`` over the ``k`` steps since the last move, bias corrected at
