@@ -142,6 +142,33 @@ def counting_collectives(world: int, sent: list) -> tuple:
     return real
 
 
+def counted_run(rank: int, world: int, net, model, opt, steps: int, batch, record,
+                save=None, load=None) -> tuple[list, list, list]:
+    """Train ``net`` (``model``, maybe wrapped) with ``opt`` on the MSE of ``batch(step,
+    rank)``'s inputs and targets, from what :func:`resume` finds in ``load``; per step the bytes
+    this rank handed to others (:func:`counting_collectives`), the parameters after it and
+    ``record(opt)``; ``save`` ``(path, step)``: :func:`save_for_resume` after that step."""
+    start = resume(load, rank, model, opt)
+    sent = [0]
+    real = counting_collectives(world, sent)
+    after, per_step, recorded = [], [], []
+    try:
+        for step in range(start, steps):
+            x, y = batch(step, rank)
+            before = sent[0]
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            opt.step()
+            per_step.append(sent[0] - before)
+            after.append([p.detach().clone() for p in model.parameters()])
+            recorded.append(record(opt))
+            if save is not None and step + 1 == save[1]:
+                save_for_resume(save[0], rank, model, opt, step + 1)
+    finally:
+        dist.all_to_all_single, dist.all_reduce = real
+    return after, per_step, recorded
+
+
 def save_for_resume(path: str, rank: int, model, opt, step: int) -> None:
     """This rank's model, optimizer and step count in ``<path>.<rank>``."""
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step},

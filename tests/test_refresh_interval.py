@@ -8,16 +8,13 @@ import logging
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from onebit_plugin import OneBitAdam, OneBitLamb, ZeroOneAdam, register_onebit_hook
 from onebit_plugin.settings.config import settings_from_env
 from tests.dist_helpers import (
     assert_ranks_identical,
-    counting_collectives,
-    resume,
+    counted_run,
     run_ranks,
-    save_for_resume,
 )
 
 FREEZE, EVERY = 4, 3  # refreshes at steps 6, 9, 12, ...
@@ -41,24 +38,9 @@ def _train(rank, world, ddp, steps, every=EVERY, bits=32, save=None, load=None):
     if ddp:
         net = torch.nn.parallel.DistributedDataParallel(model)
         register_onebit_hook(net, opt)
-    start = resume(load, rank, model, opt)
-    sent = [0]
-    real = counting_collectives(world, sent)
-    after, per_step, variances = [], [], []
-    try:
-        for step in range(start, steps):
-            x, y = _batch(step, rank)
-            before = sent[0]
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(net(x), y).backward()
-            opt.step()
-            per_step.append(sent[0] - before)
-            after.append([p.detach().clone() for p in model.parameters()])
-            variances.append([opt.state[p]["exp_avg_sq"].clone() for p in model.parameters()])
-            if save is not None and step + 1 == save[1]:
-                save_for_resume(save[0], rank, model, opt, step + 1)
-    finally:
-        dist.all_to_all_single, dist.all_reduce = real
+    after, per_step, variances = counted_run(
+        rank, world, net, model, opt, steps, _batch,
+        lambda o: [o.state[p]["exp_avg_sq"].clone() for p in model.parameters()], save, load)
     return after, per_step, variances
 
 

@@ -21,7 +21,7 @@ from onebit_plugin.core.variance_follow import (
 from onebit_plugin.settings.config import settings_from_env
 from tests.dist_helpers import (
     assert_ranks_identical,
-    counting_collectives,
+    counted_run,
     resume,
     run_ranks,
     save_for_resume,
@@ -148,27 +148,10 @@ def _train(rank, world, ddp, steps, member="onebit_adam", follow=True, save=None
         net = torch.nn.parallel.DistributedDataParallel(
             model, gradient_as_bucket_view=ddp == "views", bucket_cap_mb=CAP_MB)
         register_onebit_hook(net, opt)
-    start = resume(load, rank, model, opt)
-    sent = [0]
-    real = counting_collectives(world, sent)
-    after, per_step, numbers = [], [], []
-    try:
-        for step in range(start, steps):
-            x, y = _batch(step, rank)
-            before = sent[0]
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(net(x), y).backward()
-            opt.step()
-            per_step.append(sent[0] - before)
-            after.append([p.detach().clone() for p in model.parameters()])
-            numbers.append([(opt.state[p].get("variance_mean", torch.zeros(1)).tolist(),
-                             scale(opt.state[p]))
-                            for p in model.parameters()])
-            if save is not None and step + 1 == save[1]:
-                save_for_resume(save[0], rank, model, opt, step + 1)
-    finally:
-        import torch.distributed as dist
-        dist.all_to_all_single, dist.all_reduce = real
+    after, per_step, numbers = counted_run(
+        rank, world, net, model, opt, steps, _batch,
+        lambda o: [(o.state[p].get("variance_mean", torch.zeros(1)).tolist(), scale(o.state[p]))
+                   for p in model.parameters()], save, load)
     return after, per_step, numbers, getattr(opt, "phase", None)
 
 
