@@ -1,5 +1,6 @@
 """The frozen variance follows the averaged gradients, block by block, without sending them
-(``follow_variance``, the Adam members' default; docs/usage.md, "A variance that follows").
+(``follow_variance``: 1-bit Adam's default, 0/1 Adam's on request; docs/usage.md, "A variance
+that follows").
 
 Why: Adam's variance keeps moving after a freeze, and not by one factor per tensor. On
 ``char_mlp`` (benchmarks/variance_drift.py, Adam, seed 0), from step 400 to 2,000 the median
@@ -278,10 +279,10 @@ def start_(opt, params=None) -> None:
     if unfollowed and opt._rank == 0:
         # Stepped with no numbers: a state saved with follow_variance=False (or before it).
         log.warning("onebit: follow_variance=True on a state saved without it: %d parameter "
-                    "tensors have no following numbers, so their frozen denominators stay as "
-                    "saved for the rest of this run (follow_variance=False says the same "
-                    "quietly; a run started with follow_variance=True follows from its "
-                    "first step)", unfollowed)
+                    "tensors have no following numbers, so their denominators do not follow "
+                    "in this run: they stay as saved, or as a refresh makes them (as with "
+                    "follow_variance=False). A run started with follow_variance=True follows "
+                    "from its first step", unfollowed)
 
 
 def drop_numbers(opt) -> None:
@@ -294,6 +295,7 @@ def drop_numbers(opt) -> None:
             del state[k]
         dropped += bool(keys)
     if dropped and opt._rank == 0:
-        log.warning("onebit: follow_variance=False on a state saved with it: the frozen "
-                    "denominators of %d parameter tensors stay as saved, and their following "
-                    "numbers are dropped", dropped)
+        log.warning("onebit: follow_variance=False on a state saved with it: the following "
+                    "numbers of %d parameter tensors are dropped; their denominators follow no "
+                    "more (frozen ones stay as saved, a refresh makes them from the "
+                    "variance)", dropped)
