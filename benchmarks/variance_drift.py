@@ -74,7 +74,7 @@ def main() -> None:
             for i, q in enumerate(params):
                 q.grad = summed[i].div_(args.ranks)
                 now = {"rms": float(q.grad.double().square().mean()),
-                       "sketch": float(follow.summary(q.grad).square().sum())
+                       "sketch": float(follow.summary(q.grad, step).square().sum())
                        / q.numel(), "l1": l1[i]}
                 for k in kinds:
                     tracked[k][i] = (b2 * (1 - b2 ** (step - 1)) * tracked[k][i]

@@ -33,7 +33,8 @@ def _launch(out: Path, onebit: bool, *args: str, steps: int = STEPS,
     env = {k: v for k, v in os.environ.items() if not k.startswith("ONEBIT_")}
     # Default settings. The Trainer clips at max_grad_norm=1.0 on every step of this run; since
     # that clipping reaches OneBitAdam.clip_grad_norm_ (2026-12-01) this 80-step run frozen at
-    # step 20 ends 4.3% above AdamW with the default bounded update and 5.0% with
+    # step 20 ended 4.3% above AdamW with the default bounded update (4.6% with follow_variance,
+    # its default since 2026-12-06) and 5.0% with
     # ONEBIT_BOUND_UPDATE=0, whose largest parameter then grows to 5.7 against 1.1 under AdamW
     # (docs/design.md, "Clipping"). Before, the clipping of the averaged momentum left the
     # compression stage almost unclipped: +5.3% bounded, +2.7% unbounded.

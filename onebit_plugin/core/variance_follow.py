@@ -48,6 +48,7 @@ from onebit_plugin.comm.byte_counts import ring_bytes
 from onebit_plugin.comm.collectives import wait_collectives
 from onebit_plugin.comm.hierarchical import two_level_mean_
 from onebit_plugin.maths.update import corrected_root
+from onebit_plugin.wire.deferred import as_fp32
 
 log = logging.getLogger("onebit_plugin")
 
@@ -92,7 +93,7 @@ class VarianceFollow:
     def summary(self, grad: torch.Tensor, t: int) -> torch.Tensor:
         """The sketches of one tensor's gradient ``grad`` at step ``t``, block by block
         (``WIDTH`` fp32 values per block of ``BLOCK`` values, flat)."""
-        flat = _fp32_flat(grad)
+        flat = as_fp32(grad).reshape(-1)
         signs = self._signs(t, flat.device)
         whole = flat.numel() // BLOCK
         parts = []
@@ -106,14 +107,9 @@ class VarianceFollow:
         return torch.cat(parts).reshape(-1)
 
 
-def _fp32_flat(grad: torch.Tensor) -> torch.Tensor:
-    flat = grad.reshape(-1)
-    return flat if flat.dtype == torch.float32 else flat.float()
-
-
 def _block_squares(grad: torch.Tensor) -> torch.Tensor:
     """Each block's exact sum of squares (a gradient every rank holds averaged)."""
-    flat = _fp32_flat(grad)
+    flat = as_fp32(grad).reshape(-1)
     whole = flat.numel() // BLOCK
     parts = []
     if whole:
@@ -156,7 +152,7 @@ def follow_(opt, parts: list[torch.Tensor], coef: float | None = None, *,
     squares of the averaged gradient every rank holds (nothing sent); then the frozen
     denominators follow, where the units are built (``rescale``; not on a refresh, which
     makes them again). ``coef``: the clipping coefficient the averaged gradient was scaled
-    by after it was sketched."""
+    by after the local gradients were sketched."""
     if not parts:
         return
     flat = torch.cat(parts)
@@ -174,10 +170,13 @@ def follow_(opt, parts: list[torch.Tensor], coef: float | None = None, *,
             opt.counts.add_exact(ring_bytes(flat.nbytes, world), 0)
             flat.div_(world)
     if coef is not None and coef < 1.0:
-        flat.mul_(coef if local else coef * coef)
-    if not bool(torch.isfinite(flat).all()):
-        return  # a skipped step (the same on every rank): the variance moves with the next
+        flat.mul_(coef)
+    # An exact part comes from a step whose averaged gradients were found finite; a sync's
+    # sketches may hold a rank's non-finite local gradient (the same average on every rank).
+    if local and not bool(torch.isfinite(flat).all()):
+        return  # the variance moves with the next
     built = rescale and opt.layout is not None and bool(opt.layout.units)
+    beta2_of = {p: g["betas"][1] for g in opt.param_groups for p in g["params"]}
     offset = 0
     width = WIDTH if local else 1
     for p in opt.trainable():
@@ -193,7 +192,7 @@ def follow_(opt, parts: list[torch.Tensor], coef: float | None = None, *,
             continue
         sizes = torch.full((blocks,), float(BLOCK), device=squares.device)
         sizes[-1] = n - (blocks - 1) * BLOCK
-        beta2 = _beta2(opt, p)
+        beta2 = beta2_of[p]
         kept = beta2 ** (t - done)
         mean = state.get(_MEAN)
         moved = squares.div_(sizes).mul_(1.0 - kept)
@@ -252,13 +251,6 @@ def reapply_(opt) -> None:
             if "exp_avg_sq" in state and _APPLIED in state:
                 _made_again(p, state, unit, unit.view(p, unit.denom).reshape(-1),
                             state[_APPLIED])
-
-
-def _beta2(opt, p: torch.Tensor) -> float:
-    for group in opt.param_groups:
-        if any(q is p for q in group["params"]):
-            return group["betas"][1]
-    raise KeyError("not a parameter of this optimizer")
 
 
 def start_(opt, params=None) -> None:
