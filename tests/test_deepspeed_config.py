@@ -116,7 +116,10 @@ def test_deepspeeds_tutorial_configs_load_with_their_settings(kind, tmp_path, ca
     ({"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 2, "frezee_step": 3}},
      "unknown parameter(s) ['frezee_step']"),
     ({"type": "OneBitLamb", "params": {"lr": 1e-3, "freeze_step": 2, "var_freeze_step": 3}},
-     "unknown parameter(s) ['var_freeze_step']"),
+     "unknown parameter(s) ['var_freeze_step'] (var_freeze_step is a parameter of ZeroOneAdam "
+     "only)"),
+    ({"type": "OneBitLamb", "params": {"lr": 1e-3, "follow_variance": True}},
+     "(follow_variance is a parameter of OneBitAdam and ZeroOneAdam only)"),
     ({"type": "OneBitAdam", "params": {"lr": 1e-3, "amsgrad": True}}, "amsgrad"),
     ({"type": "OneBitAdam", "params": {"lr": 1e-3, "amsgrad": "false"}},
      '"amsgrad": "false" is not supported'),

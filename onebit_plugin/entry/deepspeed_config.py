@@ -141,7 +141,13 @@ def from_deepspeed_config(params, config, **options):
     unused = {k: given.pop(k) for k in list(given) if k in _UNUSED}
     unknown = sorted(set(given) - set(accepted))
     if unknown:
-        raise ValueError(f"{kind}: unknown parameter(s) {unknown}; {name} takes "
+        # A key of another member (follow_variance under OneBitLamb, say) says whose it is.
+        owners = {k: [m.class_name for m in MEMBERS.values() if k in m.deepspeed_params]
+                  for k in unknown}
+        whose = "; ".join(f"{k} is a parameter of {' and '.join(v)} only"
+                          for k, v in owners.items() if v)
+        raise ValueError(f"{kind}: unknown parameter(s) {unknown}"
+                         + (f" ({whose})" if whose else "") + f"; {name} takes "
                          f"{', '.join(accepted)} (and {', '.join(_UNUSED)}, which are unused)")
     for key, value in unused.items():
         # A value that would look active (max_grad_norm > 0, eps_inside_sqrt) is a warning.
