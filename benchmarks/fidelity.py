@@ -91,7 +91,11 @@ ZERO_ONE = {"zero_one": {}, "zero_one_local16_early": {"local_step_scaler": 8},
             "zero_one_refresh8": {"var_freeze_step": 100_000},
             "zero_one_refresh16": {"var_freeze_step": 100_000},
             # The paper's frozen variance (follow_variance=False, issue 44).
-            "zero_one_frozen": {"follow_variance": False}}
+            "zero_one_frozen": {"follow_variance": False},
+            # The paper's variance, moved by the refresh steps' averaged gradients alone
+            # (local_variance=False; issue 44), and with its blocks following.
+            "zero_one_paper": {"local_variance": False},
+            "zero_one_paper_follow": {"local_variance": False, "follow_variance": True}}
 REFRESH_CAP = {"zero_one_refresh8": 8, "zero_one_refresh16": 16}
 # 1-bit Adam at fixed freeze steps other than FIXED_FREEZE (0/1 Adam's comparisons).
 ONEBIT_FIXED = {"onebit_fixed240": 240}

@@ -139,7 +139,7 @@ def test_phase_a_in_one_process_is_adam_whose_variance_moves_only_on_refresh_ste
     lr, wd, (b1, b2), eps = 1e-2, 0.1, (0.9, 0.999), 1e-8
     opt = ZeroOneAdam(model.parameters(), lr=lr, weight_decay=wd, var_freeze_step=60,
                       var_update_scaler=4, decoupled_weight_decay=decoupled, total_steps=100,
-                      bound_update=False, follow_variance=False)
+                      bound_update=False, follow_variance=False, local_variance=False)
     params = [p.detach().clone() for p in model.parameters()]
     m = [torch.zeros_like(p) for p in params]
     v = [torch.zeros_like(p) for p in params]
@@ -175,8 +175,9 @@ def test_a_phase_a_state_from_before_steps_weighted_refreshes_is_a_clear_error()
     def run(steps):
         torch.manual_seed(0)
         model = nn.Linear(6, 3)
+        # local_variance=False: the states this refusal is for predate local_variance.
         opt = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=20, var_update_scaler=4,
-                          total_steps=40)
+                          total_steps=40, local_variance=False)
         for t in range(steps):
             opt.zero_grad()
             model(torch.randn(8, 6, generator=torch.Generator().manual_seed(t))).sum().backward()
@@ -359,7 +360,7 @@ def test_a_parameter_with_zero_gradient_decays_exactly_as_under_adamw(interval):
     assert error(idle) < 1e-5
 
 
-def _collectives_worker(rank, world):
+def _collectives_worker(rank, world, local_variance=False):
     calls = []
     names = ("all_reduce", "all_to_all_single", "all_gather", "broadcast", "reduce_scatter",
              "all_gather_into_tensor", "send", "recv", "barrier")
@@ -374,7 +375,8 @@ def _collectives_worker(rank, world):
     model = _model()
     net = DDP(model, bucket_cap_mb=0.001)
     opt = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=12, var_update_scaler=4,
-                      local_step_scaler=1, local_step_clipper=4, total_steps=40)
+                      local_step_scaler=1, local_step_clipper=4, total_steps=40,
+                      local_variance=local_variance)
     register_onebit_hook(net, opt)
     per_step = []
     for n in names:
@@ -393,15 +395,27 @@ def _collectives_worker(rank, world):
     return per_step
 
 
-def test_a_local_step_sends_nothing_and_a_sync_sends_one_compressed_allreduce_per_unit():
-    per_step = run_ranks(_collectives_worker, 2)[0]
+@pytest.mark.parametrize("local_variance", [False, True])
+def test_a_local_step_sends_nothing_and_a_sync_sends_one_compressed_allreduce_per_unit(
+        local_variance):
+    per_step = run_ranks(_collectives_worker, 2, local_variance)[0]
     after_first = per_step[1:]  # the first step also checks that the ranks' settings agree
     local = {n for k, n in after_first if k == "local"}
     assert local == {0}
     sync = {n for k, n in after_first if k == "sync"}
     momentum = {n for k, n in after_first if k == "momentum"}
-    assert sync and sync == momentum and 0 not in sync  # two all-to-alls per unit, both ways
-    assert {n for k, n in after_first if k == "exact"} - {0}
+    if not local_variance:
+        assert sync and sync == momentum and 0 not in sync  # two all-to-alls per unit, both ways
+        assert {n for k, n in after_first if k == "exact"} - {0}
+        return
+    # local_variance: every 1-bit step and sync sends one small allreduce more (the noise
+    # samples), and phase A's refreshes, now 1-bit steps, one more again (the variances'
+    # average); no step averages the gradients after the exact stage. Phase B's averages
+    # fall every 128 steps: none in these 40.
+    one_bit = min(momentum)
+    assert 0 not in sync and sync == {one_bit} and momentum == {one_bit, one_bit + 1}
+    assert all(k == "exact" for k, _ in per_step[:4]) and \
+        "exact" not in {k for k, _ in per_step[4:]}
 
 
 # Phase A before a 1-bit step and before a refresh (the units are built by either); phase B at

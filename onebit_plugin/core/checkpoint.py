@@ -46,6 +46,7 @@ def onebit_state(opt) -> dict:
             "unit_cap_bytes": opt.unit_cap_bytes, **opt.counts.state_dict(),
             "clipping": opt.handoff.sketch is not None, "units": units,
             "local_steps": opt.policy.rank_state(opt), "syncs": opt.syncs,
+            "own_variances": opt.policy.own_variances(opt),
             "variance_clock": "steps", "sent": opt.policy.exchange.sent,
             "warmup_bits": opt.config.warmup_bits,
             # Settled for a compression-stage state (its errors are laid out by it); a warm-up
@@ -133,6 +134,7 @@ def load_onebit_state(opt, onebit: dict) -> None:
                               sent=onebit.get("sent", "momentum"))  # absent: the momentum
     opt._forget_layout()
     opt.policy.load_rank_state(opt, onebit.get("local_steps"))
+    opt.policy.load_own_variances(opt, onebit.get("own_variances"))
 
 
 def _refuse_refresh_counts(opt, onebit: dict, states) -> None:

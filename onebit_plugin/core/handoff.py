@@ -36,7 +36,9 @@ class HandOff:
     * ``clip_coef``: the clipping coefficient ``clip_grad_norm_`` chose for this step;
     * ``grads_averaged``: ``clip_grad_norm_`` already averaged the warm-up gradients;
     * ``summaries``: per parameter, the summary of the local gradient the hook folded, for the
-      variance's following (``onebit_plugin.core.variance_follow``).
+      variance's following (``onebit_plugin.core.variance_follow``);
+    * ``local_notes``: per parameter, what the policy's ``local_variance`` noted of the local
+      gradient the hook folded (0/1 Adam's, ``onebit_plugin.members.local_variance``).
 
     Kept across iterations: ``sketch``, the :class:`~onebit_plugin.maths.norm_sketch.NormSketch` the
     hook sketches with once clipping was asked for, and which warnings were said.
@@ -57,6 +59,7 @@ class HandOff:
         self.clip_coef: float | None = None
         self.grads_averaged = False
         self.summaries: dict = {}
+        self.local_notes: dict = {}
 
     def start_sketching(self, trainable: list[torch.Tensor]) -> None:
         """Clipping was asked for: from now on the hook sketches the local gradients it folds
@@ -90,6 +93,8 @@ class HandOff:
         optimizer) follows the variance on this step."""
         if variance_follow.samples(opt, opt.global_step + 1):  # the coming step's
             self.summaries[p] = opt.policy.follow.summary(grad, opt.global_step + 1)
+        if opt.policy.local_variance is not None:
+            self.local_notes[p] = opt.policy.local_variance.note(grad, opt.global_step + 1)
         if self.sketch is None:
             return
         self.local_norms[p] = torch.linalg.vector_norm(grad, dtype=torch.float32)

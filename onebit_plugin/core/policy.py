@@ -153,6 +153,9 @@ class Policy:
     #: :class:`~onebit_plugin.core.variance_follow.VarianceFollow` where the frozen
     #: denominators follow the averaged gradients' scale (``follow_variance``); None: frozen
     follow: VarianceFollow | None = None
+    #: what the DDP hook notes of each local gradient it folds, for a variance each rank feeds
+    #: with its own gradients (0/1 Adam's ``local_variance``: its ``note(grad, t)``); None
+    local_variance = None
 
     def __init__(self, exchange: Exchange):
         self.exchange = exchange
@@ -216,6 +219,18 @@ class Policy:
         checkpoint carries per rank (0/1 Adam's between syncs); None: nothing."""
         return None
 
+    def own_variances(self, opt) -> list | None:
+        """This rank's own variances, where they differ from the other ranks' (0/1 Adam's
+        ``local_variance``), which a checkpoint carries per rank; None: they do not."""
+        return None
+
+    def load_own_variances(self, opt, saved: list | None) -> None:
+        """Take a checkpoint's :meth:`own_variances` back (after the parameters' state)."""
+        if saved is not None:
+            raise ValueError(f"this checkpoint holds each rank's own variance (ZeroOneAdam's "
+                             f"local_variance), which {type(self).__name__} has no use for: "
+                             "resume it with ZeroOneAdam")
+
     def load_rank_state(self, opt, saved: dict | None) -> None:
         """Take a checkpoint's :meth:`rank_state` back (after the parameters' state)."""
         if saved is not None:
@@ -241,7 +256,8 @@ class Policy:
         """``(name, tensor)`` of every buffer the policy and its exchanges hold
         (``onebit_plugin.core.memory``)."""
         return [*(b for exchange in self.step_exchanges() for b in exchange.buffers()),
-                *(self.follow.buffers() if self.follow is not None else [])]
+                *(self.follow.buffers() if self.follow is not None else []),
+                *(self.local_variance.buffers() if self.local_variance is not None else [])]
 
     def forget(self, opt) -> None:
         """A load: the member's own state over the units is dropped (rebuilt with them)."""

@@ -52,8 +52,9 @@ from onebit_plugin.wire.deferred import as_fp32
 
 log = logging.getLogger("onebit_plugin")
 
-__all__ = ["BLOCK", "EVERY", "WIDTH", "VarianceFollow", "drop_numbers", "follow_", "reapply_",
-           "samples", "start_", "summaries"]
+__all__ = ["BLOCK", "EVERY", "WIDTH", "VarianceFollow", "block_squares", "blocks_of",
+           "drop_numbers", "follow_", "reapply_", "samples", "start_", "summaries",
+           "times_blocks"]
 
 BLOCK = 2048
 WIDTH = 2
@@ -67,7 +68,7 @@ _MEAN, _REF, _COUNT, _APPLIED = ("variance_mean", "variance_ref", "variance_coun
                                  "variance_scale")
 
 
-def _blocks(n: int) -> int:
+def blocks_of(n: int) -> int:
     return max(1, -(-n // BLOCK))
 
 
@@ -107,7 +108,7 @@ class VarianceFollow:
         return torch.cat(parts).reshape(-1)
 
 
-def _block_squares(grad: torch.Tensor) -> torch.Tensor:
+def block_squares(grad: torch.Tensor) -> torch.Tensor:
     """Each block's exact sum of squares (a gradient every rank holds averaged)."""
     flat = as_fp32(grad).reshape(-1)
     whole = flat.numel() // BLOCK
@@ -135,9 +136,9 @@ def summaries(opt, noted: dict | None = None, *, exact: bool = False) -> list[to
     for p in opt.trainable():
         part = None if exact else noted.get(p)
         if part is None and p.grad is not None:
-            part = _block_squares(p.grad) if exact else follow.summary(p.grad, t)
+            part = block_squares(p.grad) if exact else follow.summary(p.grad, t)
         if part is None:
-            part = torch.zeros(_blocks(p.numel()) * (1 if exact else WIDTH),
+            part = torch.zeros(blocks_of(p.numel()) * (1 if exact else WIDTH),
                                dtype=torch.float32, device=p.device)
         out.append(part)
     return out
@@ -180,7 +181,7 @@ def follow_(opt, parts: list[torch.Tensor], coef: float | None = None, *,
     offset = 0
     width = WIDTH if local else 1
     for p in opt.trainable():
-        n, blocks = p.numel(), _blocks(p.numel())
+        n, blocks = p.numel(), blocks_of(p.numel())
         squares = flat[offset: offset + blocks * width]
         squares = squares.view(blocks, WIDTH).square().sum(1) if local else squares.clone()
         offset += blocks * width
@@ -220,7 +221,7 @@ def _rescale(opt, p: torch.Tensor, state: dict) -> None:
     if "exp_avg_sq" in state:
         _made_again(p, state, unit, d, target)
     else:
-        _times_blocks(d.sub_(eps), target / state[_APPLIED]).add_(eps)
+        times_blocks(d.sub_(eps), target / state[_APPLIED]).add_(eps)
     state[_APPLIED] = target
 
 
@@ -229,10 +230,10 @@ def _made_again(p, state, unit, d, factor) -> None:
     hypers = unit.hypers[p]
     corrected_root(state["exp_avg_sq"].reshape(-1), state["frozen_step"],
                    beta2=hypers["betas"][1], out=d)
-    _times_blocks(d, factor).add_(hypers["eps"])
+    times_blocks(d, factor).add_(hypers["eps"])
 
 
-def _times_blocks(d: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+def times_blocks(d: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     whole = d.numel() // BLOCK
     if whole:
         d[: whole * BLOCK].view(whole, BLOCK).mul_(factor[:whole, None])
@@ -265,7 +266,7 @@ def start_(opt, params=None) -> None:
         mean = state.get(_MEAN)
         if mean is None:
             unfollowed += "step" in state and float(state["step"]) > 0
-            mean = torch.zeros(_blocks(p.numel()), dtype=torch.float32, device=p.device)
+            mean = torch.zeros(blocks_of(p.numel()), dtype=torch.float32, device=p.device)
         state[_REF] = mean.clone()
         state[_APPLIED] = torch.ones_like(mean)
     if unfollowed and opt._rank == 0:

@@ -44,6 +44,7 @@ from onebit_plugin.comm.collectives import all_finite
 from onebit_plugin.core import compression_stage, variance_follow
 from onebit_plugin.core.clipping import exact_clip_
 from onebit_plugin.core.exchanges import StepExchange
+from onebit_plugin.members import local_variance
 from onebit_plugin.settings.step_kinds import LOCAL, SYNC
 from onebit_plugin.wire.deferred import fold_gradient_
 
@@ -218,19 +219,31 @@ def take_step(opt, sync: bool) -> None:
     trainable = opt.trainable()
     grads = {p: p.grad for p in trainable}
     counts = compression_stage.count_step(opt)  # every rank counts it: the counts agree
+    own = opt.policy.local_variance
+    notes = {}
     if all_finite([g for g in grads.values() if g is not None]):
         opt.skips.stepped_locally()
         LocalSteps.fold_(units, grads)
         compression_stage.frozen_update(opt, counts, averaged=False,
                                         local_bound=local_bound(opt.world_size))
+        if own is not None:
+            notes = {p: own.note(g, opt.global_step) for p, g in grads.items() if g is not None}
     else:
         opt.skips.locally(opt.global_step, opt.topology.rank, opt.config.max_skipped_steps)
+    if own is not None:  # a step this rank skipped folds a zero gradient: the counts agree
+        local_variance.fold_(opt, notes)
     opt.policy.local.advance(opt.param_groups)
     # What DDP with Adam would have sent for this step, for compression_ratio.
     opt.counts.add_exact(0, ring_bytes(4 * sum(p.numel() for p in trainable),
                                        opt.world_size) if not sync else 0)
     if sync:
+        refresh = own is not None and local_variance.due_at_sync(opt.global_step,
+                                                                 opt.policy.local.steps)
+        if own is not None:
+            local_variance.sample_(opt, notes)
         sync_ranks(opt, corrections(opt, counts))
+        if refresh:  # after the landing: the next interval's steps divide by the average
+            local_variance.average_(opt)
         if sketches is not None:  # after the landing: the interval's steps used one scale
             variance_follow.follow_(opt, sketches)
 
@@ -251,7 +264,10 @@ def local_bound(world: int) -> float:
 def freeze_variances(opt) -> None:
     """Phase B refreshes the variance no more: it is dropped, and checkpoints hold the units'
     denominators instead (``state[p]["frozen_denominator"]``), as 1-bit Adam's do after its
-    freeze: 4 bytes per parameter less from here on (docs/memory.md)."""
+    freeze: 4 bytes per parameter less from here on (docs/memory.md). With ``local_variance``
+    every rank still feeds its own and phase B averages them: it is kept."""
+    if opt.policy.local_variance is not None:
+        return
     for unit in opt.units:
         for p in unit.params:
             opt.state[p].pop("exp_avg_sq", None)

@@ -24,6 +24,7 @@ decay is decoupled exactly (docs/usage.md, "0/1 Adam").
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Unpack
 
@@ -35,6 +36,7 @@ from onebit_plugin.core.base import OneBitOptimizer
 from onebit_plugin.core.gradient_average import GradientAverage
 from onebit_plugin.core.policy import AdamPolicy, OneBitMomentum
 from onebit_plugin.members import local_steps
+from onebit_plugin.members import local_variance as local_variance_module
 from onebit_plugin.settings.config import FamilyOptions, check_hparams, member_config
 from onebit_plugin.settings.schedule import (
     ZeroOneSchedule,
@@ -42,11 +44,12 @@ from onebit_plugin.settings.schedule import (
     exact_steps,
     refreshes_until,
 )
-from onebit_plugin.settings.step_kinds import EXACT, LOCAL, SYNC
+from onebit_plugin.settings.step_kinds import EXACT, LOCAL, MOMENTUM, SYNC
 
 __all__ = ["ZeroOneAdam", "ZeroOnePolicy"]
 
 AUTO = "auto"
+log = logging.getLogger("onebit_plugin")
 
 
 def _check_schedule(var_freeze_step, var_update_scaler, local_step_scaler,
@@ -75,12 +78,19 @@ class ZeroOnePolicy(AdamPolicy):
     keeps_variance = True  # refreshed in phase A
 
     def __init__(self, var_freeze_step, var_update_scaler: int, local_step_scaler,
-                 local_step_clipper: int, follow_variance: bool = False):
+                 local_step_clipper: int, follow_variance: bool = False,
+                 local_variance: bool = True):
         super().__init__(OneBitMomentum(), follow_variance=follow_variance)
         # Refreshes average exactly, as the warm-up does; local steps send nothing, syncs
         # send through the momentum's communicator.
         self.exchanges.update({EXACT: GradientAverage(compression_stage.refresh_step),
                                LOCAL: local_steps.LocalStep(), SYNC: local_steps.SyncStep()})
+        if local_variance:  # every step feeds the variance; a refresh averages the ranks'
+            self.local_variance = local_variance_module.LocalVariance()
+            self.exchanges.update({
+                EXACT: local_variance_module.LocalVarianceStep(self.exchange, refresh=True),
+                MOMENTUM: local_variance_module.LocalVarianceStep(self.exchange,
+                                                                  refresh=False)})
         self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
         self.local_step_scaler, self.local_step_clipper = local_step_scaler, local_step_clipper
         self._schedule: ZeroOneSchedule | None = None
@@ -135,8 +145,42 @@ class ZeroOnePolicy(AdamPolicy):
     def load_rank_state(self, opt, saved: dict | None) -> None:
         local_steps.load_saved_state(opt, saved)
 
+    def own_variances(self, opt) -> list | None:
+        return local_variance_module.own(opt) if self.local_variance is not None else None
+
+    def load_own_variances(self, opt, saved: list | None) -> None:
+        if self.local_variance is None:
+            if saved is not None and opt._rank == 0:
+                log.warning("onebit: this checkpoint was saved with local_variance=True and "
+                            "is resumed with local_variance=False: the variance carries on "
+                            "from rank 0's own, refreshed from the averaged gradients from "
+                            "now on (not bit for bit the run that saved it)")
+            return
+        local_variance_module.load_own(opt, saved)
+
     def units_built(self, opt) -> None:
         local_steps.restore(opt)
+        rebuilt = 0
+        for unit in opt.units:
+            for p in unit.params:
+                state = opt.state[p]
+                if self.local_variance is None:
+                    if "exp_avg_sq" in state:  # a local_variance state's: the variance rules
+                        state.pop("frozen_denominator", None)
+                    continue
+                denom, hypers = unit.view(p, unit.denom), unit.hypers[p]
+                if "exp_avg_sq" not in state:  # phase B saved without local_variance
+                    state["exp_avg_sq"] = (denom - hypers["eps"]).clamp(min=0.0).square_().mul_(
+                        1 - hypers["betas"][1] ** state["frozen_step"])
+                    rebuilt += 1
+                # Checkpoints hold the denominators as they are: between refreshes they are
+                # not the ranks' variances' (members.local_variance).
+                state["frozen_denominator"] = denom
+        if rebuilt and opt._rank == 0:
+            log.warning("onebit: local_variance=True on a phase-B state saved without it: the "
+                        "variances of %d parameter tensors are rebuilt from their saved "
+                        "denominators (to rounding); every rank feeds its own from now on, "
+                        "not bit for bit the run that saved it", rebuilt)
 
     def agreement(self, total_steps: int | None) -> dict[str, int]:
         def number(v):
@@ -172,6 +216,11 @@ class ZeroOneAdam(OneBitOptimizer):
         local_step_clipper: the largest local interval (16).
         total_steps: optimizer steps of the whole run (the integrations fill it in); needed by
             the ``"auto"`` settings, and the last step syncs.
+        local_variance: every rank folds its own gradients into its own variance on every step,
+            and the refreshes (phase A's, and phase B's every ``PHASE_B_INTERVAL`` steps)
+            average the ranks' variances instead of one step's gradients (True, the default;
+            ``onebit_plugin.members.local_variance``); False: the paper's variance, moved by
+            the refresh steps' averaged gradients alone, frozen in phase B.
 
     The family's options (``OneBitAdam``'s docstring): ``max_block``, ``scale``,
     ``mask_zero_variance``, ``masks``, ``process_group``, ``average_grads``, ``bound_update``
@@ -196,6 +245,7 @@ class ZeroOneAdam(OneBitOptimizer):
         local_step_clipper: int = 16,
         *,
         decoupled_weight_decay: bool = True,
+        local_variance: bool = True,
         masks: dict[torch.Tensor, torch.Tensor] | None = None,
         process_group: dist.ProcessGroup | None = None,
         **options: Unpack[FamilyOptions],
@@ -203,6 +253,13 @@ class ZeroOneAdam(OneBitOptimizer):
         check_hparams(lr, betas, eps, weight_decay)
         _check_schedule(var_freeze_step, var_update_scaler, local_step_scaler,
                         local_step_clipper)
+        if not isinstance(local_variance, bool):
+            raise TypeError(f"local_variance must be True or False, got {local_variance!r}")
+        if local_variance and options.get("follow_variance"):
+            raise ValueError("ZeroOneAdam: follow_variance=True follows a variance that the "
+                             "refreshes alone move, block by block; local_variance=True (the "
+                             "default) feeds every coordinate's from every step instead: pass "
+                             "local_variance=False with follow_variance=True")
         # follow_variance is off unless asked: measured on 2,000-step runs it helped
         # char_mlp (+3.45% against Adam, +5.33% frozen) and cost bow_topics (+11.0%, +4.22%
         # frozen; docs/benchmarks.md, "Wider workloads").
@@ -220,7 +277,7 @@ class ZeroOneAdam(OneBitOptimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         decoupled_weight_decay=decoupled_weight_decay)
         policy = ZeroOnePolicy(var_freeze_step, var_update_scaler, local_step_scaler,
-                               local_step_clipper, config.follow_variance)
+                               local_step_clipper, config.follow_variance, local_variance)
         super().__init__(params, defaults, config, policy, masks=masks,
                          process_group=process_group)
 
