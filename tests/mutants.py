@@ -417,8 +417,8 @@ MUTANTS = [
        "denominator_scales_with_the_gradients"),
     _m("follow-scales-eps-too", "row: follow_variance",
        "onebit_plugin/core/variance_follow.py",
-       "        _times_blocks(d.sub_(eps), target / state[_APPLIED]).add_(eps)\n",
-       "        _times_blocks(d, target / state[_APPLIED])\n",
+       "        times_blocks(d.sub_(eps), target / state[_APPLIED]).add_(eps)\n",
+       "        times_blocks(d, target / state[_APPLIED])\n",
        "tests/test_variance_follow.py::"
        "test_a_resume_masks_the_zero_variance_rows_as_the_uninterrupted_run_did"),
     _m("follow-factors-lost-on-resume", "row: follow_variance",

@@ -2,6 +2,7 @@
 clipping and the DDP hook call, on every path, and a new exchange plugged into a policy takes
 over every step of its kind (docs/family.md, "An exchange")."""
 
+import pytest
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -9,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from onebit_plugin import OneBitAdam, ZeroOneAdam, register_onebit_hook
 from onebit_plugin.core.exchanges import MomentumStep
 from onebit_plugin.core.gradient_average import GradientAverage
-from onebit_plugin.settings.step_kinds import EXACT, LOCAL, MOMENTUM, SYNC
+from onebit_plugin.settings.step_kinds import EXACT, LOCAL, MOMENTUM, REFRESH, SYNC
 from tests.dist_helpers import run_ranks
 
 FREEZE, STEPS = 3, 6
@@ -77,14 +78,15 @@ def test_the_policys_exchanges_are_called_by_step_clipping_and_the_hook_on_both_
         assert torch.equal(a, b)
 
 
-def test_zero_one_adams_policy_names_an_exchange_for_every_word_of_its_schedule():
+@pytest.mark.parametrize("local_variance", [False, True])
+def test_zero_one_adams_policy_names_an_exchange_for_every_word_of_its_schedule(local_variance):
     net = nn.Linear(4, 2)
     opt = ZeroOneAdam(net.parameters(), lr=1e-3, var_freeze_step=40, var_update_scaler=4,
-                      local_step_scaler=8, local_step_clipper=4)
+                      local_step_scaler=8, local_step_clipper=4, local_variance=local_variance)
     policy = opt.policy
     assert policy.step_exchange(1, None, compressing=False) is policy.warmup
     kinds = {policy.step_exchange(t, None, compressing=True).kind for t in range(1, 80)}
-    assert kinds == {EXACT, MOMENTUM, LOCAL, SYNC}
+    assert kinds == {REFRESH if local_variance else EXACT, MOMENTUM, LOCAL, SYNC}
     for t in range(1, 80):
         exchange = policy.step_exchange(t, None, compressing=True)
         assert exchange is policy.exchanges[policy.exchange_at(t, None)]

@@ -2,6 +2,7 @@
 in the variance's own memory, no fold buffer on the CPU kernel's paths, 0/1 Adam's variance
 dropped in phase B; ``buffer_bytes`` says so."""
 
+import pytest
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -54,15 +55,15 @@ def test_the_frozen_denominator_takes_the_variances_memory():
 def _hook_run(rank, world, member):
     model = _model()
     net = DDP(model, bucket_cap_mb=0.01, gradient_as_bucket_view=True)  # several units
-    if member == "zero_one":
+    if member.startswith("zero_one"):  # "zero_one_paper": local_variance=False
         opt = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=6, var_update_scaler=2,
                           local_step_scaler=2, local_step_clipper=4, total_steps=16,
-                          bucket_cap_mb=0.01)
+                          bucket_cap_mb=0.01, local_variance=member == "zero_one")
     else:
         opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=3, bucket_cap_mb=0.01)
     register_onebit_hook(net, opt)
     seen = []
-    for step in range(16 if member == "zero_one" else 8):
+    for step in range(16 if member.startswith("zero_one") else 8):
         _step(net, opt, rank, step)
         if opt.switch_step is not None and opt.global_step > opt.switch_step:  # units built
             seen.append((opt.coming_exchange, sorted(buffer_bytes(opt)),
@@ -90,15 +91,22 @@ def test_under_the_ddp_hook_the_compression_stage_holds_errors_wire_and_masks_on
         assert held["wire"] < 1.0 * numel + 8 * 2048 * seen[0][3]
 
 
-def test_zero_one_drops_the_variance_when_phase_b_begins_and_keeps_no_fold_buffer():
-    for seen, held, numel in run_ranks(_hook_run, 2, "zero_one"):
-        phase_a = [kinds for kind, kinds, _, _ in seen if kind in ("momentum", "exact")]
+@pytest.mark.parametrize("member", ["zero_one_paper", "zero_one"])
+def test_zero_one_drops_the_variance_when_phase_b_begins_and_keeps_no_fold_buffer(member):
+    """The paper's 0/1 Adam drops its variance in phase B (4 bytes per parameter);
+    ``local_variance`` keeps it (every rank still feeds its own, phase B averages them)."""
+    kept = member == "zero_one"
+    for seen, held, numel in run_ranks(_hook_run, 2, member):
+        phase_a = [kinds for kind, kinds, _, _ in seen if kind in ("momentum", "exact",
+                                                                    "refresh")]
         phase_b = [kinds for kind, kinds, _, _ in seen if kind in ("local", "sync")]
         assert phase_a and phase_b
         assert all("variance" in k and "local-step anchors" not in k for k in phase_a[:-1])
-        assert all("variance" not in k and "local-step anchors" in k for k in phase_b[1:])
+        assert all(("variance" in k) == kept and "local-step anchors" in k
+                   for k in phase_b[1:])
         assert all(with_fold == 0 for _, _, with_fold, _ in seen)
-        assert "variance" not in held and held["local-step anchors"] == 4 * numel
+        assert held.get("variance", 0) == (4 * numel if kept else 0)
+        assert held["local-step anchors"] == 4 * numel
 
 
 def _own_average_run(rank, world):

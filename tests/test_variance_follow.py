@@ -16,7 +16,7 @@ from onebit_plugin.core.variance_follow import (
     EVERY,
     WIDTH,
     VarianceFollow,
-    _block_squares,
+    block_squares,
 )
 from onebit_plugin.settings.config import settings_from_env
 from tests.dist_helpers import (
@@ -120,7 +120,7 @@ def test_the_sketches_estimate_a_blocks_squared_norm_over_the_steps():
             truth += blocks(g)
         assert torch.allclose(estimates / truth, torch.ones(3), atol=0.08), (kind,
                                                                             estimates / truth)
-    assert torch.equal(_block_squares(smooth), blocks(smooth))
+    assert torch.equal(block_squares(smooth), blocks(smooth))
 
 
 def _model():
@@ -142,7 +142,8 @@ def _train(rank, world, ddp, steps, member="onebit_adam", follow=True, save=None
     else:
         opt = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=8, var_update_scaler=2,
                           local_step_scaler=2, local_step_clipper=4, total_steps=steps,
-                          follow_variance=follow, bucket_cap_mb=CAP_MB)
+                          follow_variance=follow, bucket_cap_mb=CAP_MB,
+                          local_variance=False)  # the paper's variance, which follow moves
     net = model
     if ddp:
         net = torch.nn.parallel.DistributedDataParallel(
@@ -209,7 +210,9 @@ def test_the_option_is_the_adam_members_and_read_from_the_environment(monkeypatc
     # 0/1 Adam's is off unless asked (measured: it cost bow_topics; members.zero_one_adam)
     assert ZeroOneAdam(torch.nn.Linear(2, 2).parameters(), total_steps=10).policy.follow is None
     assert ZeroOneAdam(torch.nn.Linear(2, 2).parameters(), total_steps=10,
-                       follow_variance=True).policy.follow
+                       follow_variance=True, local_variance=False).policy.follow
+    with pytest.raises(ValueError, match="pass local_variance=False with follow_variance=True"):
+        ZeroOneAdam(torch.nn.Linear(2, 2).parameters(), total_steps=10, follow_variance=True)
     assert OneBitAdam(torch.nn.Linear(2, 2).parameters(), freeze_step=2,
                       follow_variance=False).policy.follow is None
     monkeypatch.setenv("ONEBIT_ADAM", "1")
@@ -221,8 +224,14 @@ def test_the_option_is_the_adam_members_and_read_from_the_environment(monkeypatc
     monkeypatch.delenv("ONEBIT_FOLLOW_VARIANCE")
     monkeypatch.delenv("ONEBIT_FREEZE_STEP")
     assert settings_from_env().member_options(100)["follow_variance"] is False
+    assert settings_from_env().member_options(100)["local_variance"] is True
     monkeypatch.setenv("ONEBIT_FOLLOW_VARIANCE", "1")
-    assert settings_from_env().member_options(100)["follow_variance"] is True
+    with pytest.raises(ValueError, match="set ONEBIT_LOCAL_VARIANCE=0 with it"):
+        settings_from_env()
+    monkeypatch.setenv("ONEBIT_LOCAL_VARIANCE", "0")
+    options = settings_from_env().member_options(100)
+    assert options["follow_variance"] is True and options["local_variance"] is False
+    monkeypatch.delenv("ONEBIT_LOCAL_VARIANCE")
     monkeypatch.setenv("ONEBIT_OPTIMIZER", "onebit_adam")
     monkeypatch.setenv("ONEBIT_FREEZE_STEP", "5")
     monkeypatch.setenv("ONEBIT_FOLLOW_VARIANCE", "maybe")

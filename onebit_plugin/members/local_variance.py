@@ -53,6 +53,7 @@ from onebit_plugin.core.variance_follow import (
     blocks_of,
     times_blocks,
 )
+from onebit_plugin.settings.step_kinds import MOMENTUM, REFRESH
 from onebit_plugin.wire.deferred import as_fp32
 
 __all__ = ["PHASE_B_INTERVAL", "LocalVariance", "LocalVarianceStep", "average_", "due_at_sync",
@@ -92,6 +93,7 @@ class LocalVarianceStep(MomentumStep):
     def __init__(self, wire, refresh: bool) -> None:
         super().__init__(wire)
         self.refresh = refresh
+        self.kind = REFRESH if refresh else MOMENTUM
 
     def step(self, opt) -> None:
         skipped = opt.skips.total

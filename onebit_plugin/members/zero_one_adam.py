@@ -44,7 +44,7 @@ from onebit_plugin.settings.schedule import (
     exact_steps,
     refreshes_until,
 )
-from onebit_plugin.settings.step_kinds import EXACT, LOCAL, MOMENTUM, SYNC
+from onebit_plugin.settings.step_kinds import EXACT, LOCAL, MOMENTUM, REFRESH, SYNC
 
 __all__ = ["ZeroOneAdam", "ZeroOnePolicy"]
 
@@ -87,10 +87,10 @@ class ZeroOnePolicy(AdamPolicy):
                                LOCAL: local_steps.LocalStep(), SYNC: local_steps.SyncStep()})
         if local_variance:  # every step feeds the variance; a refresh averages the ranks'
             self.local_variance = local_variance_module.LocalVariance()
-            self.exchanges.update({
-                EXACT: local_variance_module.LocalVarianceStep(self.exchange, refresh=True),
-                MOMENTUM: local_variance_module.LocalVarianceStep(self.exchange,
-                                                                  refresh=False)})
+            self.exchanges = {
+                MOMENTUM: local_variance_module.LocalVarianceStep(self.exchange, refresh=False),
+                REFRESH: local_variance_module.LocalVarianceStep(self.exchange, refresh=True),
+                LOCAL: self.exchanges[LOCAL], SYNC: self.exchanges[SYNC]}
         self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
         self.local_step_scaler, self.local_step_clipper = local_step_scaler, local_step_clipper
         self._schedule: ZeroOneSchedule | None = None
@@ -117,7 +117,8 @@ class ZeroOnePolicy(AdamPolicy):
         return self._schedule
 
     def exchange_at(self, t: int, total_steps: int | None) -> str:
-        return self.schedule(total_steps).kind(t)
+        kind = self.schedule(total_steps).kind(t)
+        return REFRESH if kind == EXACT and self.local_variance is not None else kind
 
     def rank_state(self, opt) -> dict | None:
         return local_steps.saved_state(opt)
