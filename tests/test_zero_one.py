@@ -502,9 +502,15 @@ def test_the_switch_line_says_the_schedule_and_freeze_step_is_refused():
         opt.step()
     assert opt.switch_message() == (
         "onebit: 0/1 Adam was Adam for 16 steps; from step 17 the momentum is averaged exactly "
-        "in fp32 (compress_momentum=False or one process), the variance refreshed in full "
-        "precision on 64 steps to step 241 (var_freeze_step + 1, as DeepSpeed counts), then "
-        "local steps, the interval doubling every 110 steps up to 16")
+        "in fp32 (compress_momentum=False or one process), every rank's gradients folded into "
+        "its own variance, the ranks' variances averaged in fp32 on 64 steps to step 241 "
+        "(var_freeze_step + 1, as DeepSpeed counts), then local steps, the interval doubling "
+        "every 110 steps up to 16, the variances averaged again every 128 steps")
+    paper = ZeroOneAdam(nn.Linear(2, 2).parameters(), total_steps=2000, local_variance=False)
+    paper.switch_step = 16
+    assert paper.switch_message().endswith(
+        "the variance refreshed in full precision on 64 steps to step 241 (var_freeze_step + 1, "
+        "as DeepSpeed counts), then local steps, the interval doubling every 110 steps up to 16")
     short = ZeroOneAdam(nn.Linear(2, 2).parameters(), total_steps=100)
     short.switch_step = 16
     assert "no local steps in this run" in short.switch_message()

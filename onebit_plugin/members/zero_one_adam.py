@@ -294,16 +294,22 @@ class ZeroOneAdam(OneBitOptimizer):
             s = self.policy.schedule(self.total_steps)
         except ValueError:  # "auto" without the run's length: the next step raises, saying so
             return first
+        local = self.policy.local_variance is not None
+        refreshed = ("every rank's gradients folded into its own variance, the ranks' "
+                     "variances averaged in fp32" if local else
+                     "the variance refreshed in full precision")
         if s.total_steps is not None and s.last_a >= s.total_steps:
-            return (f"{first} and the variance refreshed in full precision on "
+            return (f"{first} and {refreshed} on "
                     f"{refreshes_until(s.total_steps, s.var_update_scaler)} steps to the run's "
                     f"end (var_freeze_step + 1 = {s.last_a} >= total_steps="
                     f"{s.total_steps}: no local steps in this run)")
-        return (f"{first}, the variance refreshed in full precision on "
+        then = (f", the variances averaged again every "
+                f"{local_variance_module.PHASE_B_INTERVAL} steps" if local else "")
+        return (f"{first}, {refreshed} on "
                 f"{refreshes_until(s.last_a, s.var_update_scaler)} steps to step {s.last_a} "
                 f"(var_freeze_step + 1, as DeepSpeed counts), then local steps, the interval "
                 f"doubling every "
-                f"{s.local_step_scaler} steps up to {s.local_step_clipper}")
+                f"{s.local_step_scaler} steps up to {s.local_step_clipper}{then}")
 
     # ------------------------------------------------------------------------------ progress
     @property
