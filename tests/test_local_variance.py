@@ -17,7 +17,7 @@ from onebit_plugin import ZeroOneAdam, register_onebit_hook
 from onebit_plugin.members import local_variance
 from onebit_plugin.settings.config import settings_from_env
 from onebit_plugin.settings.schedule import refreshes_variance
-from tests.dist_helpers import resume, run_ranks, save_for_resume
+from tests.dist_helpers import counting_collectives, resume, run_ranks, save_for_resume
 
 
 def test_in_one_process_the_variance_is_adams_and_the_refreshes_make_the_denominators():
@@ -197,3 +197,43 @@ def test_resuming_with_the_other_setting_is_said_and_goes_on(saved_with, caplog)
     assert caplog.text.count(said) == 1
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert ("exp_avg_sq" in again.state[next(model.parameters())]) != saved_with
+
+
+def _bytes_run(rank, world, bits):
+    """Per step, its word and the bytes this rank handed to others (counted at torch's
+    collectives)."""
+    torch.manual_seed(0)
+    model = _Net()
+    opt = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=12, var_update_scaler=4,
+                      local_step_scaler=1, local_step_clipper=4, total_steps=20,
+                      warmup_bits=bits)
+    sent = [0]
+    real = counting_collectives(world, sent)
+    per_step = []
+    try:
+        for step in range(20):
+            kind, before = opt.coming_exchange, sent[0]
+            opt.zero_grad()
+            _loss(model, rank, step).backward()
+            opt.step()
+            per_step.append((kind, sent[0] - before))
+    finally:
+        torch.distributed.all_to_all_single, torch.distributed.all_reduce = real
+    return per_step, sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+def test_a_refresh_sends_a_1_bit_step_and_the_variance_in_fp32_or_bf16(bits):
+    """A refresh is a 1-bit step (with its samples) plus the variances' average: an fp32 ring
+    allreduce at ``warmup_bits=32``, bf16 below (never int8, which would round small variances
+    to 0)."""
+    from onebit_plugin.comm.byte_counts import ring_bytes
+    from onebit_plugin.comm.quantized import QuantizedAverage
+
+    per_step, numel = run_ranks(_bytes_run, 2, bits)[0]
+    one_bit = {n for k, n in per_step[5:] if k == "momentum"}
+    refresh = {n for k, n in per_step[5:] if k == "refresh"}
+    assert len(one_bit) == 1 and len(refresh) == 1, per_step
+    variance = ring_bytes(4 * numel, 2) if bits == 32 else QuantizedAverage(16).wire_bytes(numel,
+                                                                                            2)
+    assert refresh.pop() - one_bit.pop() == variance

@@ -13,7 +13,8 @@ that 0/1 Adam ended 5.33% above Adam; with Adam's own variance through phase A, 
 How: after the exact stage every rank folds the square of its own gradient into its own copy
 of the variance on every step, as Adam folds the averaged gradient's: ``v <- b2 v + (1 - b2) r
 g_i**2``, sending nothing. A refresh averages the ranks' variances, one allreduce of the
-variance where the paper's averaged that step's gradient (the same bytes), and the denominators
+variance where the paper's averaged that step's gradient (the same bytes; bf16 at
+``warmup_bits`` 16 or 8, never int8), and the denominators
 are made from the average, the same on every rank: the ranks stay alike. The refresh step's
 momentum goes as any 1-bit step's. Refreshes: phase A's own schedule, and in phase B the first
 sync of every :data:`PHASE_B_INTERVAL` steps. Between refreshes each rank's variance is its own:
@@ -43,6 +44,7 @@ import torch.distributed as dist
 from onebit_plugin.comm.byte_counts import ring_bytes
 from onebit_plugin.comm.collectives import wait_collectives
 from onebit_plugin.comm.hierarchical import two_level_mean_
+from onebit_plugin.comm.quantized import QuantizedAverage
 from onebit_plugin.core import compression_stage
 from onebit_plugin.core.exchanges import MomentumStep
 from onebit_plugin.core.momentum import refresh_denominators
@@ -72,6 +74,17 @@ class LocalVariance:
 
     def __init__(self) -> None:
         self.sketches = VarianceFollow()
+        self.bf16: QuantizedAverage | None = None  # the variance's average below 32 bits
+
+    def averager(self, bits: int) -> QuantizedAverage | None:
+        """The variance's average at ``warmup_bits=bits``: fp32 (None) at 32, else bf16. Not
+        int8: a variance spans orders of magnitude inside a block, and a value below 1/254 of
+        its block's largest would read 0 (a row masked that has a gradient)."""
+        if bits == 32:
+            return None
+        if self.bf16 is None:
+            self.bf16 = QuantizedAverage(16)
+        return self.bf16
 
     def note(self, grad: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What step ``t``'s local gradient ``grad`` brings: its square (bf16, as the DDP hook
@@ -82,7 +95,7 @@ class LocalVariance:
         return square, part
 
     def buffers(self) -> list[tuple[str, torch.Tensor]]:
-        return self.sketches.buffers()
+        return self.sketches.buffers() + (self.bf16.buffers() if self.bf16 is not None else [])
 
 
 class LocalVarianceStep(MomentumStep):
@@ -175,11 +188,17 @@ def sample_(opt, notes: dict) -> None:
         noise[1].add_(local, alpha=1.0 - beta2)
 
 
-def _mean_(opt, flat: torch.Tensor, what: str) -> None:
-    """``flat`` averaged over the ranks in place, its bytes counted."""
+def _mean_(opt, flat: torch.Tensor, what: str, quantized: QuantizedAverage | None = None
+           ) -> None:
+    """``flat`` averaged over the ranks in place (through ``quantized`` where given), its
+    bytes counted."""
     levels = opt.topology.levels(opt.comm_timeout, opt._device())
     if levels is not None:
-        opt.counts.add_exact(two_level_mean_(flat, levels, opt.comm_timeout)[0], 0)
+        opt.counts.add_exact(two_level_mean_(flat, levels, opt.comm_timeout, quantized)[0], 0)
+        return
+    if quantized is not None:
+        opt.counts.add_exact(quantized.average_(flat, opt.comm_group, opt.world_size,
+                                                opt.comm_timeout), 0)
         return
     work = dist.all_reduce(flat, group=opt.comm_group, async_op=True)
     wait_collectives([work], opt.comm_timeout, what, opt.comm_group)
@@ -189,12 +208,14 @@ def _mean_(opt, flat: torch.Tensor, what: str) -> None:
 
 @torch.no_grad()
 def average_(opt) -> None:
-    """A refresh: every rank's variances averaged (one fp32 allreduce), then the denominators
-    and masks made from the average, the same on every rank."""
+    """A refresh: every rank's variances averaged (one fp32 allreduce; bf16 at ``warmup_bits``
+    16 or 8), then the denominators and masks made from the average, the same on every
+    rank."""
     trainable = opt.trainable()
     if opt.world_size > 1:
         flat = torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1) for p in trainable])
-        _mean_(opt, flat, "the local variance's allreduce")
+        _mean_(opt, flat, "the local variance's allreduce",
+               opt.policy.local_variance.averager(opt.config.warmup_bits))
         for p, piece in zip(trainable, flat.split([p.numel() for p in trainable]), strict=True):
             opt.state[p]["exp_avg_sq"].copy_(piece.view_as(p))
     refresh_denominators(opt.units, opt.state,
