@@ -61,6 +61,7 @@ def _m(name, row, path, old, new, *tests):
 
 OPT = "onebit_plugin/members/onebit_adam.py"
 POLICY = "onebit_plugin/core/policy.py"
+LOCAL_VARIANCE = "onebit_plugin/members/local_variance.py"
 HOOK = "onebit_plugin/entry/ddp_hook.py"
 AR = "onebit_plugin/comm/allreduce.py"
 COLL = "onebit_plugin/comm/collectives.py"
@@ -426,6 +427,27 @@ MUTANTS = [
        '            if "exp_avg_sq" in state and _APPLIED in state:\n',
        "            if False:\n",
        "tests/test_variance_follow.py::test_a_following_run_resumes_bitwise"),
+    # 0/1 Adam's local_variance (issue 44)
+    _m("local-variance-no-noise-ratio", "row: 0/1 Adam's local_variance", LOCAL_VARIANCE,
+       "            times_blocks(square, _ratio(opt, p, blocks_of(p.numel())))\n", "",
+       "tests/test_local_variance.py::"
+       "test_the_averaged_local_variance_estimates_adams_variance_of_the_averaged_gradients"),
+    _m("local-variance-not-averaged", "row: 0/1 Adam's local_variance", LOCAL_VARIANCE,
+       "    if opt.world_size > 1:\n        flat = torch.cat(",
+       "    if False:\n        flat = torch.cat(",
+       "tests/test_local_variance.py::"
+       "test_each_rank_feeds_its_own_variance_and_a_refresh_makes_them_one"),
+    _m("local-variance-own-not-saved", "row: 0/1 Adam's local_variance", LOCAL_VARIANCE,
+       "    if opt.switch_step is None:\n        return None\n",
+       "    if True:\n        return None\n",
+       "tests/test_local_variance.py::"
+       "test_resume_is_bitwise_across_the_refreshes_and_phase_bs_average"),
+    _m("local-variance-folds-a-skipped-step", "row: 0/1 Adam's local_variance",
+       LOCAL_VARIANCE,
+       "        if opt.skips.total != skipped:  # skipped on every rank: nothing is folded\n"
+       "            return\n", "",
+       "tests/test_local_variance.py::"
+       "test_a_step_skipped_for_a_nonfinite_gradient_folds_nothing"),
     # Memory (issue 30)
     _m("fold-buffer-made-up-front", "row: memory", UNIT,
        "        self._local = None\n        if local is not None:",
