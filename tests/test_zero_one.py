@@ -503,9 +503,17 @@ def test_the_switch_line_says_the_schedule_and_freeze_step_is_refused():
     assert opt.switch_message() == (
         "onebit: 0/1 Adam was Adam for 16 steps; from step 17 the momentum is averaged exactly "
         "in fp32 (compress_momentum=False or one process), every rank's gradients folded into "
-        "its own variance, the ranks' variances averaged in fp32 on 64 steps to step 241 "
+        "its own variance, the ranks' variances averaged in fp32 on 48 steps to step 241 "
         "(var_freeze_step + 1, as DeepSpeed counts), then local steps, the interval doubling "
-        "every 110 steps up to 16, the variances averaged again every 128 steps")
+        "every 110 steps up to 16, the variances averaged again at the first sync of every "
+        "128 steps")
+    brief = ZeroOneAdam(nn.Linear(2, 2).parameters(), total_steps=60, var_freeze_step=20,
+                        var_update_scaler=4, warmup_bits=16)
+    brief.switch_step = 4
+    assert brief.switch_message().endswith(
+        "the ranks' variances averaged in bf16 on 6 steps to step 21 (var_freeze_step + 1, as "
+        "DeepSpeed counts), then local steps, the interval doubling every 2 steps up to 16 "
+        "(phase B's variance averages fall every 128 steps: none in this run)")
     paper = ZeroOneAdam(nn.Linear(2, 2).parameters(), total_steps=2000, local_variance=False)
     paper.switch_step = 16
     assert paper.switch_message().endswith(

@@ -58,15 +58,15 @@ from onebit_plugin.core.variance_follow import (
 from onebit_plugin.settings.step_kinds import MOMENTUM, REFRESH
 from onebit_plugin.wire.deferred import as_fp32
 
-__all__ = ["PHASE_B_INTERVAL", "LocalVariance", "LocalVarianceStep", "average_", "due_at_sync",
-           "fold_", "load_own", "own"]
+__all__ = ["NOISE", "PHASE_B_INTERVAL", "LocalVariance", "LocalVarianceStep", "average_",
+           "due_at_sync", "fold_", "load_own", "own"]
 
 # Phase B averages the ranks' variances at the first sync of every PHASE_B_INTERVAL steps. On
 # char_mlp (3 seeds, 2,000 steps, a probe of this design with exact noise ratios) every 64
 # steps ended +0.17% against Adam, every 128 +0.17% too (-0.33/+1.32/-0.48%), for half the
 # bytes: 14 variance averages in phase B, 21x fewer bytes than Adam in all.
 PHASE_B_INTERVAL = 128
-_NOISE = "local_noise"  # per block: [E||gbar||^2 (sketched), the ranks' mean E||g_i||^2]
+NOISE = "local_noise"  # per block: [E||gbar||^2 (sketched), the ranks' mean E||g_i||^2]
 
 
 class LocalVariance:
@@ -126,7 +126,7 @@ class LocalVarianceStep(MomentumStep):
 def _ratio(opt, p: torch.Tensor, blocks: int) -> torch.Tensor:
     """``p``'s noise ratio ``r`` per block, in [1/W, 1]."""
     floor = 1.0 / opt.world_size
-    noise = opt.state[p].get(_NOISE)
+    noise = opt.state[p].get(NOISE)
     if noise is None:
         return torch.full((blocks,), floor, dtype=torch.float32, device=p.device)
     ratio = torch.where(noise[1] > 0, noise[0] / noise[1].clamp(min=1e-38),
@@ -180,9 +180,9 @@ def sample_(opt, notes: dict) -> None:
         averaged = part[: blocks * WIDTH].view(blocks, WIDTH).square().sum(1)
         local = part[blocks * WIDTH:]
         beta2 = beta2_of[p]
-        noise = opt.state[p].get(_NOISE)
+        noise = opt.state[p].get(NOISE)
         if noise is None:
-            noise = opt.state[p][_NOISE] = torch.zeros(2, blocks, device=p.device)
+            noise = opt.state[p][NOISE] = torch.zeros(2, blocks, device=p.device)
         noise.mul_(beta2)
         noise[0].add_(averaged, alpha=1.0 - beta2)
         noise[1].add_(local, alpha=1.0 - beta2)

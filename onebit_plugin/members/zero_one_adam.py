@@ -4,14 +4,17 @@ Training via 0/1 Adam", ICLR 2023), a member of the 1-bit family.
 Adam for the first ``var_update_scaler`` steps (the base's exact stage), then, on the shared
 momentum units:
 
-* phase A (to ``var_freeze_step``): the variance is refreshed on exponentially spaced
-  full-precision steps (gradients averaged exactly; ``onebit_plugin.settings.schedule``); on the
-  other
-  steps the momentum is exchanged as 1-bit signs with error feedback, as in 1-bit Adam's
-  compression stage, over the variance of the last refresh;
-* phase B: the variance is fixed; ranks take local steps and sync the accumulated update with
-  the same 1-bit allreduce every ``local_step_interval`` steps
-  (``onebit_plugin.members.local_steps``).
+* phase A (to ``var_freeze_step``): the momentum is exchanged as 1-bit signs with error
+  feedback, as in 1-bit Adam's compression stage, over the variance of the last refresh; the
+  refreshes fall on exponentially spaced steps (``onebit_plugin.settings.schedule``). With
+  ``local_variance`` (the default) every rank folds its own gradients into its own variance on
+  every step and a refresh averages the ranks' variances (``onebit_plugin.members.
+  local_variance``); without it (the paper's) a refresh is a full-precision step, its
+  gradients averaged exactly and the variance moved by them alone;
+* phase B: ranks take local steps and sync the accumulated update with the same 1-bit
+  allreduce every ``local_step_interval`` steps (``onebit_plugin.members.local_steps``); the
+  variance is fixed, or with ``local_variance`` still fed by every rank and averaged at the
+  first sync of every ``PHASE_B_INTERVAL`` steps.
 
 DeepSpeed's ``ZeroOneAdam`` exchanged 1-bit *gradients* in phase A, had no bias correction, and
 carried ``lr * wd * p`` into the momentum it rebuilt after a sync; here phase A sends the
@@ -153,9 +156,11 @@ class ZeroOnePolicy(AdamPolicy):
         if self.local_variance is None:
             if saved is not None and opt._rank == 0:
                 log.warning("onebit: this checkpoint was saved with local_variance=True and "
-                            "is resumed with local_variance=False: the variance carries on "
-                            "from rank 0's own, refreshed from the averaged gradients from "
-                            "now on (not bit for bit the run that saved it)")
+                            "is resumed with local_variance=False: each rank carries on from "
+                            "the variance its loaded state holds, which the next phase-A "
+                            "refresh moves by the averaged gradients; in phase B the "
+                            "denominators stay as saved (not bit for bit the run that saved "
+                            "it)")
             return
         local_variance_module.load_own(opt, saved)
 
@@ -166,8 +171,7 @@ class ZeroOnePolicy(AdamPolicy):
             for p in unit.params:
                 state = opt.state[p]
                 if self.local_variance is None:
-                    if "exp_avg_sq" in state:  # a local_variance state's: the variance rules
-                        state.pop("frozen_denominator", None)
+                    self._paper_state(opt, unit, p, state)
                     continue
                 denom, hypers = unit.view(p, unit.denom), unit.hypers[p]
                 if "exp_avg_sq" not in state:  # phase B saved without local_variance
@@ -182,6 +186,20 @@ class ZeroOnePolicy(AdamPolicy):
                         "variances of %d parameter tensors are rebuilt from their saved "
                         "denominators (to rounding); every rank feeds its own from now on, "
                         "not bit for bit the run that saved it", rebuilt)
+
+    def _paper_state(self, opt, unit, p, state: dict) -> None:
+        """A ``local_variance`` state resumed without it: its noise ratios are dropped; in
+        phase B its variance too (the denominators, made from the saved ones, stay, as the
+        paper's phase B keeps them), in phase A its saved denominators (the variance rules
+        from the next refresh on)."""
+        state.pop(local_variance_module.NOISE, None)
+        if "exp_avg_sq" not in state or "frozen_denominator" not in state:
+            return
+        if self.schedule(opt.total_steps).phase(max(opt.global_step, 1)) == "B":
+            del state["exp_avg_sq"]
+            state["frozen_denominator"] = unit.view(p, unit.denom)
+        else:
+            del state["frozen_denominator"]
 
     def agreement(self, total_steps: int | None) -> dict[str, int]:
         def number(v):
@@ -295,20 +313,28 @@ class ZeroOneAdam(OneBitOptimizer):
         except ValueError:  # "auto" without the run's length: the next step raises, saying so
             return first
         local = self.policy.local_variance is not None
-        refreshed = ("every rank's gradients folded into its own variance, the ranks' "
-                     "variances averaged in fp32" if local else
-                     "the variance refreshed in full precision")
+        # The paper's refreshes count the exact stage's steps (each refreshes the variance in
+        # full precision); local_variance's averages come after it.
+        skip = self.switch_step if local else 0
+        refreshed = (f"every rank's gradients folded into its own variance, the ranks' "
+                     f"variances averaged in {'fp32' if self.config.warmup_bits == 32 else 'bf16'}"
+                     if local else "the variance refreshed in full precision")
         if s.total_steps is not None and s.last_a >= s.total_steps:
             return (f"{first} and {refreshed} on "
-                    f"{refreshes_until(s.total_steps, s.var_update_scaler)} steps to the run's "
-                    f"end (var_freeze_step + 1 = {s.last_a} >= total_steps="
+                    f"{refreshes_until(s.total_steps, s.var_update_scaler) - skip} steps to the "
+                    f"run's end (var_freeze_step + 1 = {s.last_a} >= total_steps="
                     f"{s.total_steps}: no local steps in this run)")
-        then = (f", the variances averaged again every "
-                f"{local_variance_module.PHASE_B_INTERVAL} steps" if local else "")
+        then = ""
+        if local:
+            every = local_variance_module.PHASE_B_INTERVAL
+            then = (f", the variances averaged again at the first sync of every {every} steps"
+                    if s.total_steps is None or s.total_steps // every > s.last_a // every
+                    else f" (phase B's variance averages fall every {every} steps: none in "
+                         f"this run)")
         return (f"{first}, {refreshed} on "
-                f"{refreshes_until(s.last_a, s.var_update_scaler)} steps to step {s.last_a} "
-                f"(var_freeze_step + 1, as DeepSpeed counts), then local steps, the interval "
-                f"doubling every "
+                f"{refreshes_until(s.last_a, s.var_update_scaler) - skip} steps to step "
+                f"{s.last_a} (var_freeze_step + 1, as DeepSpeed counts), then local steps, the "
+                f"interval doubling every "
                 f"{s.local_step_scaler} steps up to {s.local_step_clipper}{then}")
 
     # ------------------------------------------------------------------------------ progress
