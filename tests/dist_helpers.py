@@ -169,6 +169,19 @@ def counted_run(rank: int, world: int, net, model, opt, steps: int, batch, recor
     return after, per_step, recorded
 
 
+def mean_square_steps(model, opt, steps: int):
+    """Steps 1..``steps`` of ``opt`` on the mean square of ``model``'s output over fixed random
+    batches of 32 x 8, one process; yields each step's number and the gradients it took (for
+    the plain-torch references beside it)."""
+    for t in range(1, steps + 1):
+        x = torch.randn(32, 8, generator=torch.Generator().manual_seed(t))
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+        yield t, grads
+
+
 def save_for_resume(path: str, rank: int, model, opt, step: int) -> None:
     """This rank's model, optimizer and step count in ``<path>.<rank>``."""
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step},

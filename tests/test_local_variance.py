@@ -17,7 +17,13 @@ from onebit_plugin import ZeroOneAdam, register_onebit_hook
 from onebit_plugin.members import local_variance
 from onebit_plugin.settings.config import settings_from_env
 from onebit_plugin.settings.schedule import refreshes_variance
-from tests.dist_helpers import counting_collectives, resume, run_ranks, save_for_resume
+from tests.dist_helpers import (
+    counting_collectives,
+    mean_square_steps,
+    resume,
+    run_ranks,
+    save_for_resume,
+)
 
 
 def test_in_one_process_the_variance_is_adams_and_the_refreshes_make_the_denominators():
@@ -34,12 +40,7 @@ def test_in_one_process_the_variance_is_adams_and_the_refreshes_make_the_denomin
     m = [torch.zeros_like(p) for p in params]
     v = [torch.zeros_like(p) for p in params]
     denom = [None] * len(params)
-    for t in range(1, 61):
-        x = torch.randn(32, 8, generator=torch.Generator().manual_seed(t))
-        opt.zero_grad()
-        model(x).square().mean().backward()
-        grads = [p.grad.clone() for p in model.parameters()]
-        opt.step()
+    for t, grads in mean_square_steps(model, opt, 60):
         for i, (p, g) in enumerate(zip(params, grads, strict=True)):
             m[i].mul_(b1).add_(g, alpha=1 - b1)
             if t <= scaler:  # Adam

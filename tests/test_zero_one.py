@@ -19,7 +19,7 @@ from onebit_plugin.settings.schedule import (
     refreshes_until,
     refreshes_variance,
 )
-from tests.dist_helpers import resume, run_ranks, save_for_resume
+from tests.dist_helpers import mean_square_steps, resume, run_ranks, save_for_resume
 
 
 # ------------------------------------------------------------------------------- the schedule
@@ -144,12 +144,7 @@ def test_phase_a_in_one_process_is_adam_whose_variance_moves_only_on_refresh_ste
     m = [torch.zeros_like(p) for p in params]
     v = [torch.zeros_like(p) for p in params]
     updates, last = 0, 0  # last: the step of the previous refresh
-    for t in range(1, 61):
-        x = torch.randn(32, 8, generator=torch.Generator().manual_seed(t))
-        opt.zero_grad()
-        model(x).square().mean().backward()
-        grads = [p.grad.clone() for p in model.parameters()]
-        opt.step()
+    for t, grads in mean_square_steps(model, opt, 60):
         refresh = refreshes_variance(t, 4)
         updates += refresh
         for p, g, m_, v_ in zip(params, grads, m, v, strict=True):
