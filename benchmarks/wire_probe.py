@@ -53,3 +53,44 @@ def over_denominator(opt, bound: float) -> None:
     local_steps.LocalSteps.land_ = (lambda self, units, groups, write_back, corrections, *, ok,
                                     bounded: land(self, units, groups, write_back, corrections,
                                                   ok=ok, bounded=False))
+
+
+def over_denominator_for_embeddings(opt, model, bound: float) -> None:
+    """The ``m / denom`` wire (clamped at ``bound``) for the momentum units that hold an
+    ``nn.Embedding``'s or ``nn.EmbeddingBag``'s weight (rows sparse in their gradients), the
+    paper's ``m`` for the others; phase B's syncs likewise; the bounds otherwise as they are."""
+    from torch import nn
+
+    from onebit_plugin.core import compression_stage
+    from onebit_plugin.members import local_steps
+
+    rows = {m.weight for m in model.modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)}
+    build = compression_stage.build_units
+
+    def build_units(opt):
+        layout = build(opt)
+        for unit in layout.units:
+            if any(p in rows for p in unit.params):
+                unit.send_bound = bound
+        return layout
+    compression_stage.build_units = build_units
+
+    send = local_steps.LocalSteps.send_
+
+    class Over:
+        def __init__(self, comm, unit):
+            self.comm, self.unit = comm, unit
+
+        def reduce_(self, buffer, plan, errors):
+            buffer.div_(self.unit.denom).clamp_(-bound, bound)
+            ok = self.comm.reduce_(buffer, plan, errors)
+            buffer.mul_(self.unit.denom)
+            return ok
+
+    def send_(self, units, comm, groups, fp32_of, corrections):
+        ok = True
+        for unit in units:
+            wire = Over(comm, unit) if unit.send_bound is not None else comm
+            ok &= send(self, [unit], wire, groups, fp32_of, corrections)
+        return ok
+    local_steps.LocalSteps.send_ = send_
