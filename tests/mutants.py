@@ -506,7 +506,7 @@ MUTANTS = [
     _m("zero-one-refresh-before-the-units", "row: 0/1 Adam's phase A",
        "onebit_plugin/core/compression_stage.py",
        "    opt.units  # noqa: B018 - built on first use\n", "",
-       "tests/test_zero_one.py::test_resume_is_bitwise_in_every_phase[9]"),
+       "tests/test_zero_one.py::test_resume_is_bitwise_in_every_phase[paper-9]"),
     _m("zero-one-hook-sends-in-local-steps", "row: a local step sends nothing", LOCAL,
        "        local: torch.futures.Future = torch.futures.Future()\n"
        "        local.set_result(bucket.buffer())\n        return local\n",

@@ -258,12 +258,13 @@ def _loss(model, rank, step):
 
 
 def _run(rank, world, steps, *, ddp=False, interval=4, wd=0.0, save_at=None, ckpt=None,
-         load=None, lr=1e-2):
+         load=None, lr=1e-2, local_variance=True):
     model = _model()
     net = DDP(model, bucket_cap_mb=0.001) if ddp else model
     opt = ZeroOneAdam(model.parameters(), lr=lr, weight_decay=wd, var_freeze_step=12,
                       var_update_scaler=4, local_step_scaler=1, local_step_clipper=interval,
-                      total_steps=steps, bucket_cap_mb=0.001)  # several units, either way
+                      total_steps=steps, bucket_cap_mb=0.001,  # several units, either way
+                      local_variance=local_variance)
     if ddp:
         register_onebit_hook(net, opt)
     start = resume(load, rank, model, opt)
@@ -417,10 +418,13 @@ def test_a_local_step_sends_nothing_and_a_sync_sends_one_compressed_allreduce_pe
 # Phase A before a 1-bit step and before a refresh (the units are built by either); phase B at
 # a sync and between syncs.
 @pytest.mark.parametrize("save_at", [10, 9, 13, 20, 22])
-def test_resume_is_bitwise_in_every_phase(tmp_path, save_at):
+@pytest.mark.parametrize("local_variance", [True, False], ids=["local-variance", "paper"])
+def test_resume_is_bitwise_in_every_phase(tmp_path, save_at, local_variance):
     ckpt = str(tmp_path / "ckpt")
-    whole = run_ranks(functools.partial(_run, save_at=save_at, ckpt=ckpt), 2, 30)
-    resumed = run_ranks(functools.partial(_run, load=ckpt), 2, 30)
+    whole = run_ranks(functools.partial(_run, save_at=save_at, ckpt=ckpt,
+                                        local_variance=local_variance), 2, 30)
+    resumed = run_ranks(functools.partial(_run, load=ckpt, local_variance=local_variance), 2,
+                        30)
     for r in range(2):
         for (k1, a), (k2, b) in zip(whole[r][save_at:], resumed[r], strict=True):
             assert k1 == k2
