@@ -31,24 +31,7 @@ def over_denominator(opt, bound: float) -> None:
                 states=[opt.state[p] for p in params])
     compression_stage.frozen_update = frozen_update
 
-    send = local_steps.LocalSteps.send_
-
-    class Over:
-        def __init__(self, comm, unit):
-            self.comm, self.unit = comm, unit
-
-        def reduce_(self, buffer, plan, errors):
-            buffer.div_(self.unit.denom).clamp_(-bound, bound)
-            ok = self.comm.reduce_(buffer, plan, errors)
-            buffer.mul_(self.unit.denom)
-            return ok
-
-    def send_(self, units, comm, groups, fp32_of, corrections):
-        ok = True
-        for unit in units:
-            ok &= send(self, [unit], Over(comm, unit), groups, fp32_of, corrections)
-        return ok
-    local_steps.LocalSteps.send_ = send_
+    _syncs_over_denominator(bound, lambda unit: True)
     land = local_steps.LocalSteps.land_
     local_steps.LocalSteps.land_ = (lambda self, units, groups, write_back, corrections, *, ok,
                                     bounded: land(self, units, groups, write_back, corrections,
@@ -62,7 +45,6 @@ def over_denominator_for_embeddings(opt, model, bound: float) -> None:
     from torch import nn
 
     from onebit_plugin.core import compression_stage
-    from onebit_plugin.members import local_steps
 
     rows = {m.weight for m in model.modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)}
     build = compression_stage.build_units
@@ -74,23 +56,33 @@ def over_denominator_for_embeddings(opt, model, bound: float) -> None:
                 unit.send_bound = bound
         return layout
     compression_stage.build_units = build_units
+    _syncs_over_denominator(bound, lambda unit: unit.send_bound is not None)
+
+
+class _OverDenominator:
+    """A communicator sending ``buffer / denom`` clamped at ``bound``, the average times
+    ``denom`` back (phase B's syncs)."""
+
+    def __init__(self, comm, unit, bound: float):
+        self.comm, self.unit, self.bound = comm, unit, bound
+
+    def reduce_(self, buffer, plan, errors):
+        buffer.div_(self.unit.denom).clamp_(-self.bound, self.bound)
+        ok = self.comm.reduce_(buffer, plan, errors)
+        buffer.mul_(self.unit.denom)
+        return ok
+
+
+def _syncs_over_denominator(bound: float, chosen) -> None:
+    """Phase B's syncs send ``m / denom`` for the units ``chosen(unit)`` says."""
+    from onebit_plugin.members import local_steps
 
     send = local_steps.LocalSteps.send_
-
-    class Over:
-        def __init__(self, comm, unit):
-            self.comm, self.unit = comm, unit
-
-        def reduce_(self, buffer, plan, errors):
-            buffer.div_(self.unit.denom).clamp_(-bound, bound)
-            ok = self.comm.reduce_(buffer, plan, errors)
-            buffer.mul_(self.unit.denom)
-            return ok
 
     def send_(self, units, comm, groups, fp32_of, corrections):
         ok = True
         for unit in units:
-            wire = Over(comm, unit) if unit.send_bound is not None else comm
+            wire = _OverDenominator(comm, unit, bound) if chosen(unit) else comm
             ok &= send(self, [unit], wire, groups, fp32_of, corrections)
         return ok
     local_steps.LocalSteps.send_ = send_
