@@ -52,9 +52,9 @@ from onebit_plugin.wire.deferred import as_fp32
 
 log = logging.getLogger("onebit_plugin")
 
-__all__ = ["BLOCK", "EVERY", "WIDTH", "VarianceFollow", "block_squares", "blocks_of",
-           "drop_numbers", "follow_", "reapply_", "samples", "start_", "summaries",
-           "times_blocks"]
+__all__ = ["BLOCK", "EVERY", "WIDTH", "VarianceFollow", "block_squares", "block_sums",
+           "blocks_of", "drop_numbers", "follow_", "mean_over_ranks_", "reapply_", "samples",
+           "start_", "summaries", "times_blocks"]
 
 BLOCK = 2048
 WIDTH = 2
@@ -110,14 +110,38 @@ class VarianceFollow:
 
 def block_squares(grad: torch.Tensor) -> torch.Tensor:
     """Each block's exact sum of squares (a gradient every rank holds averaged)."""
-    flat = as_fp32(grad).reshape(-1)
+    return block_sums(as_fp32(grad).reshape(-1).square())
+
+
+def block_sums(flat: torch.Tensor) -> torch.Tensor:
+    """Each block's sum of the flat ``flat``."""
     whole = flat.numel() // BLOCK
     parts = []
     if whole:
-        parts.append(flat[: whole * BLOCK].view(whole, BLOCK).square().sum(1))
+        parts.append(flat[: whole * BLOCK].view(whole, BLOCK).sum(1))
     if flat.numel() % BLOCK or not whole:
-        parts.append(flat[whole * BLOCK:].square().sum().reshape(1))
+        parts.append(flat[whole * BLOCK:].sum().reshape(1))
     return torch.cat(parts)
+
+
+def mean_over_ranks_(opt, flat: torch.Tensor, what: str, quantized=None) -> None:
+    """``flat`` (fp32) averaged over ``opt``'s ranks in place, as the full-precision steps
+    average (in two levels on hosts of several ranks: a host's ranks sum first and a quarter
+    crosses per rank, not each rank's whole; through ``quantized``,
+    ``comm.quantized.QuantizedAverage``, where given), its bytes counted; ``what`` names the
+    collective in a timeout's error."""
+    levels = opt.topology.levels(opt.comm_timeout, opt._device())
+    if levels is not None:
+        opt.counts.add_exact(two_level_mean_(flat, levels, opt.comm_timeout, quantized)[0], 0)
+        return
+    if quantized is not None:
+        opt.counts.add_exact(quantized.average_(flat, opt.comm_group, opt.world_size,
+                                                opt.comm_timeout), 0)
+        return
+    work = dist.all_reduce(flat, group=opt.comm_group, async_op=True)
+    wait_collectives([work], opt.comm_timeout, what, opt.comm_group)
+    opt.counts.add_exact(ring_bytes(flat.nbytes, opt.world_size), 0)
+    flat.div_(opt.world_size)
 
 
 def samples(opt, t: int) -> bool:
@@ -159,17 +183,7 @@ def follow_(opt, parts: list[torch.Tensor], coef: float | None = None, *,
     flat = torch.cat(parts)
     world = opt.world_size
     if local and world > 1:
-        # As the full-precision steps average: in two levels on hosts of several ranks (a
-        # host's ranks sum first and a quarter crosses per rank, not each rank's whole).
-        levels = opt.topology.levels(opt.comm_timeout, opt._device())
-        if levels is not None:
-            opt.counts.add_exact(two_level_mean_(flat, levels, opt.comm_timeout)[0], 0)
-        else:
-            work = dist.all_reduce(flat, group=opt.comm_group, async_op=True)
-            wait_collectives([work], opt.comm_timeout, "the variance follow's allreduce",
-                             opt.comm_group)
-            opt.counts.add_exact(ring_bytes(flat.nbytes, world), 0)
-            flat.div_(world)
+        mean_over_ranks_(opt, flat, "the variance follow's allreduce")
     if coef is not None and coef < 1.0:
         flat.mul_(coef)
     # An exact part comes from a step whose averaged gradients were found finite; a sync's

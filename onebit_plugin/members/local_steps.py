@@ -227,7 +227,9 @@ def take_step(opt, sync: bool) -> None:
         compression_stage.frozen_update(opt, counts, averaged=False,
                                         local_bound=local_bound(opt.world_size))
         if own is not None:
-            notes = {p: own.note(g, opt.global_step) for p, g in grads.items() if g is not None}
+            # A local step's sample would not be sent: only a sync's is taken.
+            notes = {p: own.note(g, opt.global_step, sample=sync)
+                     for p, g in grads.items() if g is not None}
     else:
         opt.skips.locally(opt.global_step, opt.topology.rank, opt.config.max_skipped_steps)
     if own is not None:  # a step this rank skipped folds a zero gradient: the counts agree

@@ -39,11 +39,7 @@ skipped for an inf/NaN gradient must not fold it).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from onebit_plugin.comm.byte_counts import ring_bytes
-from onebit_plugin.comm.collectives import wait_collectives
-from onebit_plugin.comm.hierarchical import two_level_mean_
 from onebit_plugin.comm.quantized import QuantizedAverage
 from onebit_plugin.core import compression_stage
 from onebit_plugin.core.exchanges import MomentumStep
@@ -51,8 +47,9 @@ from onebit_plugin.core.momentum import refresh_denominators
 from onebit_plugin.core.variance_follow import (
     WIDTH,
     VarianceFollow,
-    block_squares,
+    block_sums,
     blocks_of,
+    mean_over_ranks_,
     times_blocks,
 )
 from onebit_plugin.settings.step_kinds import MOMENTUM, REFRESH
@@ -86,13 +83,17 @@ class LocalVariance:
             self.bf16 = QuantizedAverage(16)
         return self.bf16
 
-    def note(self, grad: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def note(self, grad: torch.Tensor, t: int, sample: bool = True
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """What step ``t``'s local gradient ``grad`` brings: its square (bf16, as the DDP hook
-        keeps it for ``step()``; every path rounds it alike) and its sample (per block,
-        ``WIDTH`` sketch values, then the block's sum of squares)."""
-        square = as_fp32(grad).square().to(torch.bfloat16)
-        part = torch.cat([self.sketches.summary(grad, t), block_squares(grad)])
-        return square, part
+        keeps it for ``step()``; every path rounds it alike) and, with ``sample`` (a step that
+        sends its samples), its sample: per block, ``WIDTH`` sketch values, then the block's
+        sum of squares."""
+        square = as_fp32(grad).square()
+        part = None
+        if sample:
+            part = torch.cat([self.sketches.summary(grad, t), block_sums(square.view(-1))])
+        return square.to(torch.bfloat16), part
 
     def buffers(self) -> list[tuple[str, torch.Tensor]]:
         return self.sketches.buffers() + (self.bf16.buffers() if self.bf16 is not None else [])
@@ -164,11 +165,11 @@ def sample_(opt, notes: dict) -> None:
     trainable = opt.trainable()
     parts = []
     for p in trainable:
-        note = notes.get(p)
-        parts.append(note[1] if note is not None else
+        part = notes[p][1] if p in notes else None
+        parts.append(part if part is not None else
                      torch.zeros(blocks_of(p.numel()) * (WIDTH + 1), device=p.device))
     flat = torch.cat(parts)
-    _mean_(opt, flat, "the local variance's samples allreduce")
+    mean_over_ranks_(opt, flat, "the local variance's samples allreduce")
     if not bool(torch.isfinite(flat).all()):
         return  # a rank's gradient was not finite (a local step it skipped): the next sample
     beta2_of = {p: g["betas"][1] for g in opt.param_groups for p in g["params"]}
@@ -188,24 +189,6 @@ def sample_(opt, notes: dict) -> None:
         noise[1].add_(local, alpha=1.0 - beta2)
 
 
-def _mean_(opt, flat: torch.Tensor, what: str, quantized: QuantizedAverage | None = None
-           ) -> None:
-    """``flat`` averaged over the ranks in place (through ``quantized`` where given), its
-    bytes counted."""
-    levels = opt.topology.levels(opt.comm_timeout, opt._device())
-    if levels is not None:
-        opt.counts.add_exact(two_level_mean_(flat, levels, opt.comm_timeout, quantized)[0], 0)
-        return
-    if quantized is not None:
-        opt.counts.add_exact(quantized.average_(flat, opt.comm_group, opt.world_size,
-                                                opt.comm_timeout), 0)
-        return
-    work = dist.all_reduce(flat, group=opt.comm_group, async_op=True)
-    wait_collectives([work], opt.comm_timeout, what, opt.comm_group)
-    opt.counts.add_exact(ring_bytes(flat.nbytes, opt.world_size), 0)
-    flat.div_(opt.world_size)
-
-
 @torch.no_grad()
 def average_(opt) -> None:
     """A refresh: every rank's variances averaged (one fp32 allreduce; bf16 at ``warmup_bits``
@@ -214,8 +197,8 @@ def average_(opt) -> None:
     trainable = opt.trainable()
     if opt.world_size > 1:
         flat = torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1) for p in trainable])
-        _mean_(opt, flat, "the local variance's allreduce",
-               opt.policy.local_variance.averager(opt.config.warmup_bits))
+        mean_over_ranks_(opt, flat, "the local variance's allreduce",
+                         opt.policy.local_variance.averager(opt.config.warmup_bits))
         for p, piece in zip(trainable, flat.split([p.numel() for p in trainable]), strict=True):
             opt.state[p]["exp_avg_sq"].copy_(piece.view_as(p))
     refresh_denominators(opt.units, opt.state,
