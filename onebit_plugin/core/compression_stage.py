@@ -19,10 +19,11 @@ from onebit_plugin.core import checkpoint, variance_follow
 from onebit_plugin.core.momentum import build_units as build
 from onebit_plugin.core.momentum import partition, refresh_denominators
 from onebit_plugin.core.momentum import update_rows as rows_of
+from onebit_plugin.maths.sparse_rows import ROW_SPARSE_SHARE, SHARE
 from onebit_plugin.wire.dispatch import cpu_kernel
 
 __all__ = ["UnitLayout", "build_units", "count_step", "frozen_update", "momentum_step",
-           "refresh_step", "settle_units", "update_rows"]
+           "refresh_step", "settle_units", "sparse_rows", "update_rows"]
 
 log = logging.getLogger("onebit_plugin")
 
@@ -57,11 +58,13 @@ def build_units(opt) -> UnitLayout:
     if spare is not None and not spare.is_cuda and cpu_kernel() is not None and \
             type(opt.communicator) is OneBitAllreduce and opt.policy.exchange.send_bound is None:
         spare = None
+    sparse = sparse_rows(opt)
+    parts = partition(opt.trainable(), cap, sparse)
     units = build(
-        partition(opt.trainable(), cap), opt.state,
-        {p: g for g in opt.param_groups for p in g["params"]}, opt._masks,
+        parts, opt.state, {p: g for g in opt.param_groups for p in g["params"]}, opt._masks,
         opt.config.mask_zero_variance, opt.communicator, spare, opt.policy.keeps_variance,
-        opt.policy.exchange.send_bound)
+        [opt.policy.sparse_rows_bound if part[0] in sparse else opt.policy.exchange.send_bound
+         for part in parts])
     # The step counters become views of one tensor: one add and one read a step for all of
     # them (a foreach add, a stack and a read of some 100 scalar tensors cost ~0.7 ms).
     trainable = opt.trainable()
@@ -72,12 +75,23 @@ def build_units(opt) -> UnitLayout:
                       {p: i for i, p in enumerate(trainable)}, cap)
 
 
+def sparse_rows(opt) -> frozenset:
+    """The trainable tensors whose gradients the freeze read as sparse in rows, where the
+    policy sends those apart (``Policy.sparse_rows_bound``): each gets a unit of its own."""
+    if opt.policy.sparse_rows_bound is None:
+        return frozenset()
+    return frozenset(p for p in opt.trainable()
+                     if opt.state[p].get(SHARE, 0.0) >= ROW_SPARSE_SHARE)
+
+
 def settle_units(opt) -> None:
     """The units just built take a checkpoint's errors, if it left some, and the member's own
     state over them (``Policy.units_built``)."""
     _say_if_compact_errors_save_nothing(opt)
     saved, opt.resumed.units = opt.resumed.units, None
     opt.resumed.unit_cap_bytes = None  # the layout holds it now
+    if _sparse_rows_dropped(opt) and saved is not None:
+        saved = None  # cut otherwise: the errors stay zero
     if saved is not None:
         checkpoint.load_unit_errors(opt, saved)
     if opt.policy.follow is not None:
@@ -86,6 +100,22 @@ def settle_units(opt) -> None:
         variance_follow.reapply_(opt)
         variance_follow.start_(opt)
     opt.policy.units_built(opt)
+
+
+def _sparse_rows_dropped(opt) -> bool:
+    """A state whose tensors were read at the freeze (``sparse_rows``) taken by a policy that
+    does not send them apart: the reads are dropped (the next checkpoint is this run's); True
+    where some tensor was row-sparse, whose units are now cut and sent otherwise, said once."""
+    if opt.policy.sparse_rows_bound is not None:
+        return False
+    apart = [p for p in opt.trainable() if opt.state[p].pop(SHARE, 0.0) >= ROW_SPARSE_SHARE]
+    if apart and opt._rank == 0:
+        log.warning("onebit: this checkpoint sends %d tensors whose gradients are sparse in "
+                    "rows as m / denom (ZeroOneAdam's sparse_rows=True), and this optimizer "
+                    "sends them as m: their units are cut otherwise, so no unit's error "
+                    "buffers are loaded and the error feedback restarts from zero; the run "
+                    "goes on from the checkpoint, not bit for bit", len(apart))
+    return bool(apart)
 
 
 def _say_if_compact_errors_save_nothing(opt) -> None:

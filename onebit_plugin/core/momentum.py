@@ -25,12 +25,15 @@ __all__ = ["MomentumUnit", "build_units", "init_states_in_unit_order", "new_stat
            "refresh_denominators", "update_rows"]
 
 
-def partition(params: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
+def partition(params: list[torch.Tensor], cap_bytes: int, alone=frozenset()
+              ) -> list[list[torch.Tensor]]:
     """Cut ``params`` into units in reverse order (as backward usually produces gradients),
-    each up to ``cap_bytes`` of fp32 momentum (a larger parameter gets a unit of its own)."""
+    each up to ``cap_bytes`` of fp32 momentum (a larger parameter gets a unit of its own, and
+    so does every parameter in ``alone``). The order is the same whatever the cuts: the
+    momenta laid out once (:func:`init_states_in_unit_order`) lie back to back in any."""
     units, current, size = [], [], 0
     for p in reversed(params):
-        if current and size + 4 * p.numel() > cap_bytes:
+        if current and (size + 4 * p.numel() > cap_bytes or p in alone or current[-1] in alone):
             units.append(current)
             current, size = [], 0
         current.append(p)
@@ -189,10 +192,13 @@ class MomentumUnit:
         return self._times_denom(comm.reduce_(self._over_denom(grads), self.plan, self.errors))
 
     def _over_denom(self, grads: dict) -> torch.Tensor:
-        """The fold over the denominator, clamped to +-``send_bound``, in the fold buffer. A
-        non-finite fold makes it all NaN, so the communicator skips the step on every rank as
-        it would have (a clamp would turn an inf into a finite value)."""
-        x = self.fold(grads).materialize().div_(self.denom)
+        """The fold over the denominator, clamped (:meth:`bound_`), in the fold buffer."""
+        return self.bound_(self.fold(grads).materialize().div_(self.denom))
+
+    def bound_(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (a momentum over the denominator) clamped to +-``send_bound``, in place; all
+        NaN where some value is not finite, so that the communicator skips the step on every
+        rank as it would have (a clamp would turn an inf into a finite value)."""
         if math.isfinite(self.send_bound):
             finite = torch.isfinite(x).all()  # kept on the device: no host sync
             x.clamp_(-self.send_bound, self.send_bound)
@@ -311,7 +317,7 @@ def _denominator(params: list[torch.Tensor], state, groups: dict, in_place: bool
 
 def build_units(parts: list[list[torch.Tensor]], state, groups: dict, masks: dict,
                 mask_zero_variance: bool, comm, spare: torch.Tensor | None,
-                keep_variance: bool = False, send_bound: float | None = None
+                keep_variance: bool = False, send_bounds: list | None = None
                 ) -> list[MomentumUnit]:
     """At the stage change: a unit per part of :func:`partition`, its denominator the frozen
     ``sqrt(v_hat) + eps`` of its parameters (``state[p]``: ``exp_avg_sq`` and
@@ -320,7 +326,8 @@ def build_units(parts: list[list[torch.Tensor]], state, groups: dict, masks: dic
     ``keep_variance`` (a member that refreshes it), the variance is dropped: its memory becomes
     the denominator where it can, and ``state[p]["frozen_denominator"]`` (a view of it) is what
     checkpoints hold. ``spare``: resident memory no longer used (warm-up's gradient buffer),
-    cut into fold buffers where it fits. ``send_bound``: :class:`MomentumUnit`'s."""
+    cut into fold buffers where it fits. ``send_bounds``: each part's unit's
+    :class:`MomentumUnit` ``send_bound`` (None: None for all)."""
     # One pass computes each denominator into the memory that keeps it; the masks read it: with
     # a root per use (three) and the temporaries each made, this step took 1.3 s on each of 4
     # emulated hosts sharing 2 cores at 6.5M parameters, against some 0.2 s for a
@@ -328,7 +335,8 @@ def build_units(parts: list[list[torch.Tensor]], state, groups: dict, masks: dic
     denoms = [_denominator(params, state, groups, not keep_variance) for params in parts]
     negligible = negligible_root(denoms) if mask_zero_variance else 0.0
     units, start = [], 0
-    for params, denom in zip(parts, denoms, strict=True):
+    for params, denom, bound in zip(parts, denoms, send_bounds or [None] * len(parts),
+                                    strict=True):
         local = None
         if spare is not None and spare.device == denom.device and \
                 start + denom.numel() <= spare.numel():
@@ -336,7 +344,7 @@ def build_units(parts: list[list[torch.Tensor]], state, groups: dict, masks: dic
         keep = keep_mask(params, denom, [groups[p]["eps"] for p in params], negligible,
                          mask_zero_variance, masks)
         unit = MomentumUnit(params, [state[p]["exp_avg"] for p in params], denom, keep,
-                            [groups[p] for p in params], comm, local, send_bound)
+                            [groups[p] for p in params], comm, local, bound)
         for p in params:
             state[p]["exp_avg"] = unit.view(p)
             if not keep_variance or "exp_avg_sq" not in state[p]:  # or resumed without it

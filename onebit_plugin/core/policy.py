@@ -153,6 +153,11 @@ class Policy:
     #: :class:`~onebit_plugin.core.variance_follow.VarianceFollow` where the frozen
     #: denominators follow the averaged gradients' scale (``follow_variance``); None: frozen
     follow: VarianceFollow | None = None
+    #: where set, a tensor whose gradient is sparse in rows (``maths.sparse_rows``, read at
+    #: the freeze) gets momentum units of its own that send ``m / denom`` clamped at +-this
+    #: (:class:`OverDenominator`'s wire), the other units what :attr:`exchange` sends (0/1
+    #: Adam's ``sparse_rows``); None: every unit alike
+    sparse_rows_bound: float | None = None
     #: what the DDP hook notes of each local gradient it folds, for a variance each rank feeds
     #: with its own gradients (0/1 Adam's ``local_variance``: its ``note(grad, t)``); None
     local_variance = None

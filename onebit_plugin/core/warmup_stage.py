@@ -13,6 +13,7 @@ from onebit_plugin.comm.collectives import all_finite
 from onebit_plugin.core import variance_follow
 from onebit_plugin.maths.freeze import current_roots
 from onebit_plugin.maths.masks import negligible_root
+from onebit_plugin.maths.sparse_rows import SHARE, row_counts, shares
 
 __all__ = ["freeze", "freeze_due", "warmup_step"]
 
@@ -60,6 +61,20 @@ def freeze(opt) -> None:
         # "step" to the GPU on resume, and reading it per step would then sync the host.
         state["frozen_step"] = max(float(state["step"]), 1.0)
         opt.policy.freeze_(state)
+    if opt.policy.sparse_rows_bound is not None:
+        _read_sparse_rows(opt)
     opt.switch_step = opt.global_step
     if opt._rank == 0:  # once per job, like the freeze
         log.info("%s", opt.switch_message())
+
+
+def _read_sparse_rows(opt) -> None:
+    """Each tensor's share of zero rows (``maths.sparse_rows``) in the last exact step's
+    averaged gradient, the same on every rank (FSDP2's shards summed over the host), kept in
+    its state: the units are cut and sent by it (``compression_stage.build_units``), and a
+    resume reads it back from the checkpoint."""
+    tensors = [p for p in opt.trainable() if p.dim() >= 2 and "exp_avg_sq" in opt.state[p]]
+    counts = [row_counts(p.grad, opt.state[p]["exp_avg_sq"]) for p in tensors]
+    total = opt.shards.sum_over_host_ if opt.shards is not None else None
+    for p, share in zip(tensors, shares(counts, total), strict=True):
+        opt.state[p][SHARE] = share

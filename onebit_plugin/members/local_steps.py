@@ -109,7 +109,9 @@ class LocalSteps:
         """Average every unit's ``y`` (module docstring) by ``comm``, in the unit's momentum
         buffer (the momentum is rebuilt from the average, so its memory is free: no fold buffer
         is needed); ``corrections``: parameter -> ``1 - b1**t``. False (on every rank) when
-        some rank's was not finite."""
+        some rank's was not finite. A unit that sends ``m / denom`` (its ``send_bound``, 0/1
+        Adam's ``sparse_rows``) sends ``y / denom`` clamped, as phase A sent it, and takes
+        the average back times ``denom``."""
         index = {id(g): i for i, g in enumerate(groups)}
         ok = True
         for unit in units:
@@ -121,9 +123,16 @@ class LocalSteps:
                     y.zero_()
                     continue
                 torch.mul(unit.view(p, anchor), self.decay[i], out=y)
-                y.sub_(fp32_of(p)).mul_(unit.view(p, unit.denom))
+                y.sub_(fp32_of(p))
+                if unit.send_bound is None:
+                    y.mul_(unit.view(p, unit.denom))
                 y.mul_(corrections[p] / self.lr_sum[i])
-            ok &= comm.reduce_(unit.momentum, unit.plan, unit.errors)
+            if unit.send_bound is None:
+                ok &= comm.reduce_(unit.momentum, unit.plan, unit.errors)
+            elif comm.reduce_(unit.bound_(unit.momentum), unit.plan, unit.errors):
+                unit.momentum.mul_(unit.denom)
+            else:
+                ok = False
         return ok
 
     @torch.no_grad()
@@ -164,7 +173,7 @@ class LocalSteps:
                 f"saved local-step state ({len(state['anchors'])} units, "
                 f"{len(state['decay'])} parameter groups) does not fit this optimizer "
                 f"({len(units)} units, {len(self.decay)} groups): resume with the same "
-                "parameters, groups and bucket_cap_mb")
+                "parameters, groups, bucket_cap_mb and sparse_rows")
         for unit, saved in zip(units, state["anchors"], strict=True):
             if saved.shape != self.anchor[unit].shape:
                 raise ValueError(f"a saved sync point has {saved.numel()} values, its unit "

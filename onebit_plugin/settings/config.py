@@ -214,7 +214,7 @@ VARIABLES = ("ONEBIT_ADAM", "ONEBIT_OPTIMIZER", "ONEBIT_FREEZE_STEP", "ONEBIT_VA
              "ONEBIT_SCALE", "ONEBIT_OVERLAP", "ONEBIT_TIMEOUT", "ONEBIT_BOUND_UPDATE",
              "ONEBIT_MASTER_WEIGHTS", "ONEBIT_ERROR_DTYPE", "ONEBIT_WARMUP_BITS",
              "ONEBIT_REFRESH_INTERVAL", "ONEBIT_FOLLOW_VARIANCE", "ONEBIT_LOCAL_VARIANCE",
-             "ONEBIT_TOPOLOGY", "ONEBIT_CPU_KERNEL")
+             "ONEBIT_SPARSE_ROWS", "ONEBIT_TOPOLOGY", "ONEBIT_CPU_KERNEL")
 # The variable of each config field it sets: a ValueError about the field names the variable.
 _FIELD_VARIABLES = {"freeze_step": "ONEBIT_FREEZE_STEP", "total_steps": "ONEBIT_TOTAL_STEPS",
                     "max_block": "ONEBIT_MAX_BLOCK", "scale": "ONEBIT_SCALE",
@@ -282,6 +282,7 @@ class EnvSettings:
     var_freeze_step: int | str = "auto"
     local_step_scaler: int | str = "auto"
     local_variance: bool = True
+    sparse_rows: bool = True
 
     def __post_init__(self) -> None:
         self.config  # noqa: B018 - made (and so checked) once here
@@ -298,7 +299,7 @@ class EnvSettings:
             del options["freeze_step"], options["compress_momentum"]
             options.update(var_freeze_step=self.var_freeze_step,
                            local_step_scaler=self.local_step_scaler,
-                           local_variance=self.local_variance)
+                           local_variance=self.local_variance, sparse_rows=self.sparse_rows)
         return options
 
     @property
@@ -340,7 +341,8 @@ def settings_from_env() -> EnvSettings | None:
                 "0/1 Adam's schedule")
         schedule = dict(var_freeze_step=_env_steps("ONEBIT_VAR_FREEZE_STEP"),
                         local_step_scaler=_env_steps("ONEBIT_LOCAL_STEP_SCALER"),
-                        local_variance=flag("ONEBIT_LOCAL_VARIANCE", "1"))
+                        local_variance=flag("ONEBIT_LOCAL_VARIANCE", "1"),
+                        sparse_rows=flag("ONEBIT_SPARSE_ROWS", "1"))
         if schedule["local_variance"] and flag("ONEBIT_FOLLOW_VARIANCE", "0"):
             raise ValueError("ONEBIT_FOLLOW_VARIANCE=1 follows 0/1 Adam's variance of the "
                              "refreshes alone; ONEBIT_LOCAL_VARIANCE (1, the default) feeds it "
@@ -348,10 +350,11 @@ def settings_from_env() -> EnvSettings | None:
         # The family's config holds the member's exact stage.
         freeze = str(exact_steps(schedule["var_freeze_step"], 16))
     if member != "zero_one_adam" and {"ONEBIT_VAR_FREEZE_STEP", "ONEBIT_LOCAL_STEP_SCALER",
-                                      "ONEBIT_LOCAL_VARIANCE"} & set(os.environ):
-        raise ValueError("ONEBIT_VAR_FREEZE_STEP, ONEBIT_LOCAL_STEP_SCALER and "
-                         "ONEBIT_LOCAL_VARIANCE are 0/1 Adam's settings: set "
-                         "ONEBIT_OPTIMIZER=zero_one_adam too")
+                                      "ONEBIT_LOCAL_VARIANCE", "ONEBIT_SPARSE_ROWS"
+                                      } & set(os.environ):
+        raise ValueError("ONEBIT_VAR_FREEZE_STEP, ONEBIT_LOCAL_STEP_SCALER, "
+                         "ONEBIT_LOCAL_VARIANCE and ONEBIT_SPARSE_ROWS are 0/1 Adam's "
+                         "settings: set ONEBIT_OPTIMIZER=zero_one_adam too")
     if not freeze:
         raise ValueError(
             "ONEBIT_ADAM=1 needs ONEBIT_FREEZE_STEP (or onebit-run --freeze-step N): the number "

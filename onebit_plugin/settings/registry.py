@@ -61,7 +61,7 @@ MEMBERS: dict[str, Member] = {m.name: m for m in (
            {"freeze_step": 100000, "decoupled_weight_decay": True}),
     Member("zero_one_adam", "onebit_plugin.members.zero_one_adam:ZeroOneAdam", "zerooneadam",
            (*_COMMON, "var_freeze_step", "var_update_scaler", "local_step_scaler",
-            "local_step_clipper", "follow_variance", "local_variance"),
+            "local_step_clipper", "follow_variance", "local_variance", "sparse_rows"),
            {"var_freeze_step": 100000, "local_step_scaler": 32678}),
     Member("onebit_lamb", "onebit_plugin.members.onebit_lamb:OneBitLamb", "onebitlamb",
            (*_COMMON, "freeze_step", "max_coeff", "min_coeff", "coeff_beta", "factor_max",

@@ -1,0 +1,258 @@
+"""0/1 Adam's ``sparse_rows``: the freeze reads which tensors' gradients are sparse in rows
+(``onebit_plugin.maths.sparse_rows``); each gets momentum units of its own that send every
+rank's ``m / denom`` clamped at +-1, in phase A and at the syncs, for the same bytes; the ranks
+stay alike, the DDP hook and ``step()`` give the same bits, a resume is bit for bit, and a
+resume with the other setting is said."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from onebit_plugin import ZeroOneAdam, register_onebit_hook
+from onebit_plugin.maths.sparse_rows import ROW_SPARSE_SHARE, SHARE, row_counts, shares
+from onebit_plugin.settings.config import settings_from_env
+from tests.dist_helpers import counting_collectives, resume, run_ranks, save_for_resume
+
+ROWS = 2000
+
+
+def test_a_tensors_share_counts_its_zero_rows_among_the_rows_its_variance_has_seen():
+    variance = torch.zeros(6, 3)
+    variance[:4] = 1.0  # rows 4 and 5 never had a gradient: not counted
+    grad = torch.zeros(6, 3)
+    grad[0, 2] = 0.5  # row 0 moves; rows 1-3 are zero
+    assert row_counts(grad, variance).tolist() == [3.0, 4.0]
+    assert row_counts(None, variance).tolist() == [0.0, 4.0]  # no gradient tells nothing
+    grad[1:4] = math.nan  # a skipped step's gradient reads as dense
+    assert row_counts(grad, variance).tolist() == [0.0, 4.0]
+    assert row_counts(torch.zeros(0, 3), torch.zeros(0, 3)).tolist() == [0.0, 0.0]
+    doubled = []
+    assert shares([torch.tensor([3.0, 4.0]), torch.tensor([0.0, 0.0])],
+                  lambda t: doubled.append(1) or t * 2) == [0.75, 0.0]
+    assert doubled == [1]  # one sum over the host for all tensors
+
+
+class _Bag(nn.Module):
+    """Bags of word ids (sparse rows) into a dense classifier."""
+
+    def __init__(self):
+        super().__init__()
+        self.words = nn.EmbeddingBag(ROWS, 8, mode="mean")
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def forward(self, ids):
+        return self.body(self.words(ids))
+
+
+def _loss(model, rank, step):
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    ids = torch.randint(0, ROWS, (16, 6), generator=gen)
+    return nn.functional.cross_entropy(model(ids), ids[:, 0] % 4)
+
+
+def _optimizer(model, steps, **kw):
+    return ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=12, var_update_scaler=4,
+                       local_step_scaler=1, local_step_clipper=4, total_steps=steps, **kw)
+
+
+def _wire_run(rank, world, sparse):
+    """The shares, the units, and what the embedding's unit handed to the communicator: at a
+    phase-A 1-bit step against ``clamp(fold / denom, -1, 1)`` computed beside it, and at
+    phase B's first sync."""
+    torch.manual_seed(0)
+    model = _Bag()
+    opt = _optimizer(model, 40, sparse_rows=sparse)
+    emb = model.words.weight
+    handed, expected = {}, None
+    for step in range(24):
+        opt.zero_grad()
+        _loss(model, rank, step).backward()
+        kind = opt.coming_exchange
+        if step == 10:
+            assert kind == "momentum"
+            unit = opt.unit_of(emb)
+            b1 = opt.param_groups[0]["betas"][0]
+            fold = torch.lerp(opt.state[emb]["exp_avg"], emb.grad, 1 - b1)  # the package's
+            expected = (fold / unit.view(emb, unit.denom)).clamp(-1.0, 1.0)
+            comm, real = opt.communicator, opt.communicator.reduce_
+
+            def reduce_(x, plan, errors, decode=True, unit=unit):
+                if plan is unit.plan and kind not in handed:
+                    handed[kind] = (x[: emb.numel()].view_as(emb).clone() if torch.is_tensor(x)
+                                    else None)
+                return real(x, plan, errors, decode=decode)
+            comm.reduce_ = reduce_
+        opt.step()
+    comm.reduce_ = real
+    return ({n: opt.state[p].get(SHARE) for n, p in model.named_parameters()},
+            [(u.momentum.numel(), u.send_bound) for u in opt.units], handed, expected)
+
+
+@pytest.mark.parametrize("sparse", [True, False], ids=["sparse-rows", "paper-wire"])
+def test_the_freeze_gives_a_row_sparse_tensor_a_unit_that_sends_m_over_denom(sparse):
+    (read, units, handed, expected), _ = run_ranks(_wire_run, 2, sparse)
+    dense = 8 * 16 + 16 + 16 * 4 + 4
+    assert set(handed) == {"momentum", "refresh", "sync"}
+    if not sparse:
+        assert all(v is None for v in read.values())
+        assert units == [(dense + ROWS * 8, None)]
+        assert handed["momentum"] is handed["refresh"] is None  # the fold itself, sent as m
+        assert handed["sync"].abs().max() < 0.1  # what moved, as a momentum
+        return
+    assert read["words.weight"] >= ROW_SPARSE_SHARE  # 2 x 96 ids a step over 2,000 rows
+    assert read["body.0.weight"] == read["body.2.weight"] == 0.0
+    assert read["body.0.bias"] is None  # one dimension: no rows
+    # Reverse order, the dense layers first; the embedding alone, its wire bounded at 1.
+    assert units == [(dense, None), (ROWS * 8, 1.0)]
+    assert torch.equal(handed["momentum"], expected)
+    # The clamp bites, in phase A (its refreshes too) and at the syncs: a rare row's m
+    # outgrows its denom.
+    assert all(handed[k].abs().max() == 1.0 for k in ("momentum", "refresh", "sync"))
+
+
+def _run(rank, world, steps, *, ddp=False, sparse=True, save_at=None, ckpt=None, load=None,
+         **kw):
+    """Per step: its word, the bytes this rank handed to others (counted at torch's
+    collectives), the parameters and momenta after it."""
+    torch.manual_seed(0)
+    model = _Bag()
+    net = DDP(model, bucket_cap_mb=0.001) if ddp else model
+    opt = _optimizer(model, steps, sparse_rows=sparse, **kw)
+    if ddp:
+        register_onebit_hook(net, opt)
+    start = resume(load, rank, model, opt)
+    sent = [0]
+    real = counting_collectives(world, sent)
+    trace = []
+    try:
+        for step in range(start, steps):
+            kind, before = opt.coming_exchange, sent[0]
+            opt.zero_grad()
+            _loss(net, rank, step).backward()
+            opt.step()
+            trace.append((kind, sent[0] - before, [p.detach().clone() for p in model.parameters()]
+                          + [opt.state[p]["exp_avg"].clone() for p in model.parameters()]))
+            if save_at is not None and step + 1 == save_at:
+                save_for_resume(ckpt, rank, model, opt, step + 1)
+    finally:
+        torch.distributed.all_to_all_single, torch.distributed.all_reduce = real
+    return trace
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_ranks_stay_alike_the_hook_gives_steps_bits_and_the_wire_costs_the_same_bytes():
+    a, b = run_ranks(_run, 2, 40)
+    kinds = [k for k, _, _ in a]
+    assert {"exact", "refresh", "momentum", "local", "sync"} <= set(kinds)
+    for (kind, _, ta), (_, _, tb) in zip(a, b, strict=True):
+        assert _same(ta, tb) == (kind != "local"), kind  # apart only between syncs
+    hooked = run_ranks(functools.partial(_run, ddp=True), 2, 40)
+    for by_step, by_hook in zip((a, b), hooked, strict=True):
+        for (ks, _, ts), (kh, _, th) in zip(by_step, by_hook, strict=True):
+            assert ks == kh and _same(ts, th), ks
+    # The paper's wire over the same cut (the embedding alone, 64,000 bytes over a 10 KiB cap).
+    paper = run_ranks(functools.partial(_run, sparse=False, bucket_cap_mb=0.01), 2, 40)[0]
+    assert [(k, n) for k, n, _ in a] == [(k, n) for k, n, _ in paper]
+    assert not _same(a[-1][2], paper[-1][2])  # another wire, other numbers
+
+
+# Phase A between refreshes (10), phase B between syncs (22).
+@pytest.mark.parametrize("save_at", [10, 22])
+def test_resume_is_bitwise(tmp_path, save_at):
+    steps = 40
+    whole = run_ranks(functools.partial(_run, save_at=save_at, ckpt=str(tmp_path / "c")), 2,
+                      steps)
+    again = run_ranks(functools.partial(_run, load=str(tmp_path / "c")), 2, steps)
+    for w, r in zip(whole, again, strict=True):
+        assert len(r) == steps - save_at
+        for (kw, _, tw), (kr, _, tr) in zip(w[save_at:], r, strict=True):
+            assert kw == kr and _same(tw, tr), kw
+
+
+def _other_setting(rank, world, path, saved_with):
+    torch.manual_seed(0)
+    model = _Bag()
+    opt = _optimizer(model, 40, sparse_rows=saved_with)
+    for step in range(10):
+        opt.zero_grad()
+        _loss(model, rank, step).backward()
+        opt.step()
+    save_for_resume(path, rank, model, opt, 10)
+    model = _Bag()
+    opt = _optimizer(model, 40, sparse_rows=not saved_with)
+    handler = _Capture()
+    logging.getLogger("onebit_plugin").addHandler(handler)
+    try:
+        resume(path, rank, model, opt)
+        for step in range(10, 40):
+            opt.zero_grad()
+            _loss(model, rank, step).backward()
+            opt.step()
+    finally:
+        logging.getLogger("onebit_plugin").removeHandler(handler)
+    return (handler.text, [u.send_bound for u in opt.units],
+            [p.detach().clone() for p in model.parameters()],
+            [SHARE in s for s in opt.state_dict()["state"].values()])
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.text = ""
+
+    def emit(self, record):
+        self.text += record.getMessage() + "\n"
+
+
+@pytest.mark.parametrize("saved_with", [True, False])
+def test_resuming_with_the_other_setting_is_said_once_and_goes_on(tmp_path, saved_with):
+    """Saved with it, resumed without: the embedding's unit is cut into the others, its
+    errors are not loaded, the reads dropped. Saved without, resumed with: the freeze is past,
+    every tensor goes on sending m. Said once (rank 0), and the ranks end on one point."""
+    ranks = run_ranks(_other_setting, 2, str(tmp_path / "c"), saved_with)
+    said = ("this checkpoint sends 1 tensors whose gradients are sparse in rows"
+            if saved_with else "sparse_rows=True on a state saved without it")
+    assert ranks[0][0].count(said) == 1 and said not in ranks[1][0]
+    assert ranks[0][1] == [None]  # one unit, sent as m, either way
+    assert _same(ranks[0][2], ranks[1][2])  # the last step syncs
+    assert all(torch.isfinite(p).all() for p in ranks[0][2])
+    assert not any(ranks[0][3])  # the next checkpoint holds no stale reads
+
+
+def test_bad_values_are_refused_and_the_setting_is_read_from_the_environment(monkeypatch):
+    with pytest.raises(TypeError, match="sparse_rows must be True or False"):
+        ZeroOneAdam(_Bag().parameters(), total_steps=10, sparse_rows=1)
+    monkeypatch.setenv("ONEBIT_ADAM", "1")
+    monkeypatch.setenv("ONEBIT_OPTIMIZER", "zero_one_adam")
+    assert settings_from_env().member_options(100)["sparse_rows"] is True
+    monkeypatch.setenv("ONEBIT_SPARSE_ROWS", "0")
+    assert settings_from_env().member_options(100)["sparse_rows"] is False
+    monkeypatch.setenv("ONEBIT_SPARSE_ROWS", "maybe")
+    with pytest.raises(ValueError, match="ONEBIT_SPARSE_ROWS must be 1 or 0"):
+        settings_from_env()
+
+
+def test_a_deepspeed_config_sets_it_and_another_member_is_told_whose_it_is():
+    from onebit_plugin.entry.deepspeed_config import from_deepspeed_config
+
+    def config(kind, **params):
+        return {"optimizer": {"type": kind, "params": {"lr": 1e-3, **params}}}
+    schedule = dict(var_freeze_step=10, local_step_scaler=5)
+    opt = from_deepspeed_config(_Bag().parameters(), config("ZeroOneAdam", **schedule))
+    assert opt.policy.sparse_rows_bound == 1.0
+    opt = from_deepspeed_config(_Bag().parameters(),
+                                config("ZeroOneAdam", sparse_rows=False, **schedule))
+    assert opt.policy.sparse_rows_bound is None
+    with pytest.raises(ValueError, match="sparse_rows is a parameter of ZeroOneAdam only"):
+        from_deepspeed_config(_Bag().parameters(),
+                              config("OneBitAdam", sparse_rows=False, freeze_step=10))
