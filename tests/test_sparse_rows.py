@@ -70,23 +70,23 @@ def _wire_run(rank, world, sparse):
     model = _Bag()
     opt = _optimizer(model, 40, sparse_rows=sparse)
     emb = model.words.weight
-    handed, expected = {}, None
+    handed, expected, now = {}, None, {}
     for step in range(24):
         opt.zero_grad()
         _loss(model, rank, step).backward()
-        kind = opt.coming_exchange
+        now["kind"] = opt.coming_exchange  # read by the wrapper below, as the step runs
         if step == 10:
-            assert kind == "momentum"
+            assert now["kind"] == "momentum"
             unit = opt.unit_of(emb)
             b1 = opt.param_groups[0]["betas"][0]
             fold = torch.lerp(opt.state[emb]["exp_avg"], emb.grad, 1 - b1)  # the package's
             expected = (fold / unit.view(emb, unit.denom)).clamp(-1.0, 1.0)
             comm, real = opt.communicator, opt.communicator.reduce_
 
-            def reduce_(x, plan, errors, decode=True, unit=unit):
-                if plan is unit.plan and kind not in handed:
-                    handed[kind] = (x[: emb.numel()].view_as(emb).clone() if torch.is_tensor(x)
-                                    else None)
+            def reduce_(x, plan, errors, decode=True, unit=unit, real=real):
+                if plan is unit.plan and now["kind"] not in handed:
+                    handed[now["kind"]] = (x[: emb.numel()].view_as(emb).clone()
+                                           if torch.is_tensor(x) else None)
                 return real(x, plan, errors, decode=decode)
             comm.reduce_ = reduce_
         opt.step()
