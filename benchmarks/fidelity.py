@@ -96,10 +96,11 @@ ZERO_ONE = {"zero_one": {}, "zero_one_local16_early": {"local_step_scaler": 8},
             # (local_variance=False; issue 44), and with its blocks following.
             "zero_one_paper": {"local_variance": False},
             "zero_one_paper_follow": {"local_variance": False, "follow_variance": True},
-            # A diagnostic (benchmarks/wire_probe.py): m / denom sent, clamped at 1 or 3; and
-            # only for the embeddings' units (small units: each embedding one of its own).
-            "zero_one_od1": {}, "zero_one_od3": {},
-            "zero_one_od1_embed": {"bucket_cap_mb": 0.04}}
+            # Every tensor sends m, as the paper's (sparse_rows=False; issue 44).
+            "zero_one_m_wire": {"sparse_rows": False},
+            # A diagnostic (benchmarks/wire_probe.py): every unit sends m / denom, clamped at 1
+            # or 3 (sparse_rows sends it for the tensors sparse in rows alone).
+            "zero_one_od1": {}, "zero_one_od3": {}}
 REFRESH_CAP = {"zero_one_refresh8": 8, "zero_one_refresh16": 16}
 # 1-bit Adam at fixed freeze steps other than FIXED_FREEZE (0/1 Adam's comparisons).
 ONEBIT_FIXED = {"onebit_fixed240": 240}
@@ -234,10 +235,6 @@ def _optimizer(variant, ddp, lr):
                           max_skipped_steps=STEPS + 1, warmup_bits=bits, **ZERO_ONE[variant],
                           **topology)
         register_onebit_hook(ddp, opt)
-        if variant == "zero_one_od1_embed":
-            import wire_probe
-
-            wire_probe.over_denominator_for_embeddings(opt, ddp.module, 1.0)
         if variant in ("zero_one_od1", "zero_one_od3"):
             import wire_probe
 

@@ -16,6 +16,7 @@ def over_denominator(opt, bound: float) -> None:
 
     od = OverDenominator(OneBitMomentum())
     od.send_bound = bound
+    opt.policy.sparse_rows_bound = None  # every unit alike, this wire
     opt.policy.exchange = od
     opt.policy.exchanges[MOMENTUM] = LocalVarianceStep(od, refresh=False)
     opt.policy.exchanges[REFRESH] = LocalVarianceStep(od, refresh=True)
@@ -31,32 +32,11 @@ def over_denominator(opt, bound: float) -> None:
                 states=[opt.state[p] for p in params])
     compression_stage.frozen_update = frozen_update
 
-    _syncs_over_denominator(bound, lambda unit: True)
+    _syncs_over_denominator(bound)
     land = local_steps.LocalSteps.land_
     local_steps.LocalSteps.land_ = (lambda self, units, groups, write_back, corrections, *, ok,
                                     bounded: land(self, units, groups, write_back, corrections,
                                                   ok=ok, bounded=False))
-
-
-def over_denominator_for_embeddings(opt, model, bound: float) -> None:
-    """The ``m / denom`` wire (clamped at ``bound``) for the momentum units that hold an
-    ``nn.Embedding``'s or ``nn.EmbeddingBag``'s weight (rows sparse in their gradients), the
-    paper's ``m`` for the others; phase B's syncs likewise; the bounds otherwise as they are."""
-    from torch import nn
-
-    from onebit_plugin.core import compression_stage
-
-    rows = {m.weight for m in model.modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)}
-    build = compression_stage.build_units
-
-    def build_units(opt):
-        layout = build(opt)
-        for unit in layout.units:
-            if any(p in rows for p in unit.params):
-                unit.send_bound = bound
-        return layout
-    compression_stage.build_units = build_units
-    _syncs_over_denominator(bound, lambda unit: unit.send_bound is not None)
 
 
 class _OverDenominator:
@@ -73,8 +53,8 @@ class _OverDenominator:
         return ok
 
 
-def _syncs_over_denominator(bound: float, chosen) -> None:
-    """Phase B's syncs send ``m / denom`` for the units ``chosen(unit)`` says."""
+def _syncs_over_denominator(bound: float) -> None:
+    """Phase B's syncs send ``m / denom``."""
     from onebit_plugin.members import local_steps
 
     send = local_steps.LocalSteps.send_
@@ -82,7 +62,7 @@ def _syncs_over_denominator(bound: float, chosen) -> None:
     def send_(self, units, comm, groups, fp32_of, corrections):
         ok = True
         for unit in units:
-            wire = _OverDenominator(comm, unit, bound) if chosen(unit) else comm
-            ok &= send(self, [unit], wire, groups, fp32_of, corrections)
+            ok &= send(self, [unit], _OverDenominator(comm, unit, bound), groups, fp32_of,
+                       corrections)
         return ok
     local_steps.LocalSteps.send_ = send_
