@@ -448,6 +448,28 @@ MUTANTS = [
        "            return\n", "",
        "tests/test_local_variance.py::"
        "test_a_step_skipped_for_a_nonfinite_gradient_folds_nothing"),
+    # 0/1 Adam's sparse_rows (issue 44)
+    _m("sparse-rows-counts-unseen-rows", "row: 0/1 Adam's sparse_rows",
+       "onebit_plugin/maths/sparse_rows.py",
+       "    seen = variance.reshape(rows, -1).ne(0).any(dim=1)\n",
+       "    seen = torch.ones(rows, dtype=torch.bool, device=variance.device)\n",
+       "tests/test_sparse_rows.py::"
+       "test_a_tensors_share_counts_its_zero_rows_among_the_rows_its_variance_has_seen"),
+    _m("sparse-rows-share-a-unit", "row: 0/1 Adam's sparse_rows", UNIT,
+       " or p in alone or current[-1] in alone)", ")",
+       "tests/test_sparse_rows.py::"
+       "test_the_freeze_gives_a_row_sparse_tensor_a_unit_that_sends_m_over_denom"),
+    _m("sparse-rows-sync-sends-m", "row: 0/1 Adam's sparse_rows",
+       "onebit_plugin/members/local_steps.py",
+       "                if unit.send_bound is None:\n                    y.mul_(",
+       "                if True:\n                    y.mul_(",
+       "tests/test_sparse_rows.py::"
+       "test_the_freeze_gives_a_row_sparse_tensor_a_unit_that_sends_m_over_denom"),
+    _m("sparse-rows-stale-reads-kept", "row: 0/1 Adam's sparse_rows",
+       "onebit_plugin/core/compression_stage.py",
+       "opt.state[p].pop(SHARE, 0.0) >= ROW_SPARSE_SHARE]",
+       "opt.state[p].get(SHARE, 0.0) >= ROW_SPARSE_SHARE]",
+       "tests/test_sparse_rows.py::test_resuming_with_the_other_setting_is_said_once_and_goes_on"),
     # Memory (issue 30)
     _m("fold-buffer-made-up-front", "row: memory", UNIT,
        "        self._local = None\n        if local is not None:",
@@ -478,8 +500,8 @@ MUTANTS = [
        "test_the_bound_keeps_rare_embedding_rows_near_lambs_and_without_it_they_grow",
        "tests/test_lamb.py::test_each_rank_sends_its_momentum_over_the_denominator_clamped_at_3"),
     _m("lamb-sends-the-momentum", "row: 1-bit LAMB", UNIT,
-       "        x = self.fold(grads).materialize().div_(self.denom)\n",
-       "        x = self.fold(grads).materialize()\n",
+       "        return self.bound_(self.fold(grads).materialize().div_(self.denom))\n",
+       "        return self.bound_(self.fold(grads).materialize())\n",
        "tests/test_lamb.py::test_each_rank_sends_its_momentum_over_the_denominator_clamped_at_3"),
     _m("lamb-auto-ceiling-adams", "row: 1-bit LAMB", "onebit_plugin/members/onebit_lamb.py",
        "    auto_ceiling = 0.15\n", "    auto_ceiling = 0.20\n",
