@@ -21,7 +21,8 @@ from onebit_plugin.maths.masks import keep_mask, negligible_root
 from onebit_plugin.maths.update import clip_folded_, corrected_root
 from onebit_plugin.wire.deferred import Encoded, Fold
 
-__all__ = ["MomentumUnit", "build_units", "init_states_in_unit_order", "new_state", "partition",
+__all__ = ["MomentumUnit", "back_to_back", "build_units", "init_states_in_unit_order", "new_state",
+           "partition",
            "refresh_denominators", "update_rows"]
 
 
@@ -43,9 +44,10 @@ def partition(params: list[torch.Tensor], cap_bytes: int, alone=frozenset()
     return units
 
 
-def _back_to_back(momenta: list[torch.Tensor], numel: int) -> torch.Tensor | None:
-    """``momenta`` as one flat fp32 tensor over their own memory, when they lie back to back
-    in one buffer in layout order (as ``OneBitAdam`` allocates them in warm-up); else None."""
+def back_to_back(momenta: list[torch.Tensor], numel: int) -> torch.Tensor | None:
+    """``momenta`` (or variances) as one flat fp32 tensor over their own memory, when they lie
+    back to back in one buffer in layout order (as :func:`init_states_in_unit_order` lays them
+    out in warm-up); else None."""
     first = momenta[0]
     end = first.data_ptr()
     for m in momenta:
@@ -94,7 +96,7 @@ class MomentumUnit:
         # Fresh memory is the dearest part of building a unit: on 4 emulated hosts sharing a
         # 2-core VM each new 26 MB took 100-280 ms to fault in (2026-12-01), against about 30
         # ms for the whole step. Momenta that already lie back to back are taken as they are.
-        self.momentum = _back_to_back(momenta, numel)
+        self.momentum = back_to_back(momenta, numel)
         if self.momentum is None:
             self.momentum = torch.empty_like(denom)
             for p, m in zip(self.params, momenta, strict=True):
@@ -303,11 +305,11 @@ def _denominator(params: list[torch.Tensor], state, groups: dict, in_place: bool
     numel = sum(p.numel() for p in params)
     if all("frozen_denominator" in state[p] for p in params):  # resumed
         saved = [state[p]["frozen_denominator"] for p in params]
-        flat = _back_to_back(saved, numel)
+        flat = back_to_back(saved, numel)
         if flat is None:
             flat = torch.cat([d.reshape(-1) for d in saved])
         return flat
-    flat = _back_to_back([state[p]["exp_avg_sq"] for p in params], numel) if in_place else None
+    flat = back_to_back([state[p]["exp_avg_sq"] for p in params], numel) if in_place else None
     if flat is None:
         flat = torch.empty(numel, dtype=torch.float32, device=params[0].device)
     _roots_into(params, state, groups, flat)

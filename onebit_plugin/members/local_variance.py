@@ -43,7 +43,7 @@ import torch
 from onebit_plugin.comm.quantized import QuantizedAverage
 from onebit_plugin.core import compression_stage
 from onebit_plugin.core.exchanges import MomentumStep
-from onebit_plugin.core.momentum import refresh_denominators
+from onebit_plugin.core.momentum import back_to_back, refresh_denominators
 from onebit_plugin.core.variance_follow import (
     WIDTH,
     VarianceFollow,
@@ -194,13 +194,28 @@ def average_(opt) -> None:
     """A refresh: every rank's variances averaged (one fp32 allreduce; bf16 at ``warmup_bits``
     16 or 8), then the denominators and masks made from the average, the same on every
     rank."""
-    trainable = opt.trainable()
     if opt.world_size > 1:
-        flat = torch.cat([opt.state[p]["exp_avg_sq"].reshape(-1) for p in trainable])
+        # In the units' layout order, where warm-up laid the variances out back to back
+        # (momentum.init_states_in_unit_order): averaged in their own memory, where a copy
+        # cost 4 bytes per parameter at the refresh's peak (benchmarks/memory.py, 25.2M
+        # parameters: +14.25 over Adam's peak, against +11.10 on a 1-bit step). A loaded
+        # state lies elsewhere: a copy in the same order, so its ring sums every value in
+        # the same order as the uninterrupted run.
+        trainable = opt.trainable()
+        ours = set(trainable)
+        order = [p for unit in opt.units for p in unit.params if p in ours]
+        order += [p for p in trainable if opt.unit_of(p) is None]
+        variances = [opt.state[p]["exp_avg_sq"] for p in order]
+        flat = back_to_back(variances, sum(v.numel() for v in variances))
+        copied = flat is None
+        if copied:
+            flat = torch.cat([v.reshape(-1) for v in variances])
         mean_over_ranks_(opt, flat, "the local variance's allreduce",
                          opt.policy.local_variance.averager(opt.config.warmup_bits))
-        for p, piece in zip(trainable, flat.split([p.numel() for p in trainable]), strict=True):
-            opt.state[p]["exp_avg_sq"].copy_(piece.view_as(p))
+        if copied:
+            for v, piece in zip(variances, flat.split([v.numel() for v in variances]),
+                                strict=True):
+                v.copy_(piece.view_as(v))
     refresh_denominators(opt.units, opt.state,
                          {p: g for g in opt.param_groups for p in g["params"]},
                          opt._masks, opt.config.mask_zero_variance)
