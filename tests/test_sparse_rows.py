@@ -179,22 +179,26 @@ def test_resume_is_bitwise(tmp_path, save_at):
             assert kw == kr and _same(tw, tr), kw
 
 
-def _other_setting(rank, world, path, saved_with):
+def _other_setting(rank, world, path, saved_with, save_at):
     torch.manual_seed(0)
     model = _Bag()
     opt = _optimizer(model, 40, sparse_rows=saved_with)
-    for step in range(10):
+    for step in range(save_at):
         opt.zero_grad()
         _loss(model, rank, step).backward()
         opt.step()
-    save_for_resume(path, rank, model, opt, 10)
+    assert opt.between_syncs == (save_at == 22)
+    save_for_resume(path, rank, model, opt, save_at)
     model = _Bag()
     opt = _optimizer(model, 40, sparse_rows=not saved_with)
     handler = _Capture()
     logging.getLogger("onebit_plugin").addHandler(handler)
     try:
         resume(path, rank, model, opt)
-        for step in range(10, 40):
+        opt.units  # noqa: B018 - built now: the sync point it resumed from, in its layout
+        local = opt.policy.local
+        point = None if local is None else torch.cat([local.anchor[u] for u in opt.units])
+        for step in range(save_at, 40):
             opt.zero_grad()
             _loss(model, rank, step).backward()
             opt.step()
@@ -202,7 +206,8 @@ def _other_setting(rank, world, path, saved_with):
         logging.getLogger("onebit_plugin").removeHandler(handler)
     return (handler.text, [u.send_bound for u in opt.units],
             [p.detach().clone() for p in model.parameters()],
-            [SHARE in s for s in opt.state_dict()["state"].values()])
+            [SHARE in s for s in opt.state_dict()["state"].values()], point,
+            torch.load(f"{path}.{rank}", weights_only=True)["opt"]["onebit"]["local_steps"])
 
 
 class _Capture(logging.Handler):
@@ -214,19 +219,27 @@ class _Capture(logging.Handler):
         self.text += record.getMessage() + "\n"
 
 
+# In phase A (10) and in phase B between syncs (22), whose sync points are cut otherwise too.
+@pytest.mark.parametrize("save_at", [10, 22])
 @pytest.mark.parametrize("saved_with", [True, False])
-def test_resuming_with_the_other_setting_is_said_once_and_goes_on(tmp_path, saved_with):
+def test_resuming_with_the_other_setting_is_said_once_and_goes_on(tmp_path, saved_with, save_at):
     """Saved with it, resumed without: the embedding's unit is cut into the others, its
     errors are not loaded, the reads dropped. Saved without, resumed with: the freeze is past,
     every tensor goes on sending m. Said once (rank 0), and the ranks end on one point."""
-    ranks = run_ranks(_other_setting, 2, str(tmp_path / "c"), saved_with)
-    said = ("this checkpoint sends 1 tensors whose gradients are sparse in rows"
+    ranks = run_ranks(_other_setting, 2, str(tmp_path / "c"), saved_with, save_at)
+    said = ("this checkpoint sends 1 tensor(s) whose gradients are sparse in rows"
             if saved_with else "sparse_rows=True on a state saved without it")
     assert ranks[0][0].count(said) == 1 and said not in ranks[1][0]
     assert ranks[0][1] == [None]  # one unit, sent as m, either way
     assert _same(ranks[0][2], ranks[1][2])  # the last step syncs
     assert all(torch.isfinite(p).all() for p in ranks[0][2])
     assert not any(ranks[0][3])  # the next checkpoint holds no stale reads
+    for rank in ranks:  # between syncs: the saved sync point, cut into this run's units
+        point, saved = rank[4], rank[5]
+        assert (point is None) == (saved is None) == (save_at == 10)
+        if saved is not None:
+            assert len(saved["anchors"]) == (2 if saved_with else 1)
+            assert torch.equal(point, torch.cat(saved["anchors"]))
 
 
 def test_bad_values_are_refused_and_the_setting_is_read_from_the_environment(monkeypatch):

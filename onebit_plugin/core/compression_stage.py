@@ -110,7 +110,7 @@ def _sparse_rows_dropped(opt) -> bool:
         return False
     apart = [p for p in opt.trainable() if opt.state[p].pop(SHARE, 0.0) >= ROW_SPARSE_SHARE]
     if apart and opt._rank == 0:
-        log.warning("onebit: this checkpoint sends %d tensors whose gradients are sparse in "
+        log.warning("onebit: this checkpoint sends %d tensor(s) whose gradients are sparse in "
                     "rows as m / denom (ZeroOneAdam's sparse_rows=True), and this optimizer "
                     "sends them as m: their units are cut otherwise, so no unit's error "
                     "buffers are loaded and the error feedback restarts from zero; the run "

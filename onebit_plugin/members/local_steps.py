@@ -168,17 +168,21 @@ class LocalSteps:
                 "lr_sum": list(self.lr_sum), "steps": self.steps}
 
     def load_state_dict(self, state: dict, units: list) -> None:
-        if len(state["anchors"]) != len(units) or len(state["decay"]) != len(self.decay):
+        anchors = state["anchors"]
+        saved, ours = sum(a.numel() for a in anchors), sum(u.momentum.numel() for u in units)
+        if saved != ours or len(state["decay"]) != len(self.decay):
             raise ValueError(
-                f"saved local-step state ({len(state['anchors'])} units, "
+                f"saved local-step state ({len(anchors)} units of {saved} values, "
                 f"{len(state['decay'])} parameter groups) does not fit this optimizer "
-                f"({len(units)} units, {len(self.decay)} groups): resume with the same "
-                "parameters, groups, bucket_cap_mb and sparse_rows")
-        for unit, saved in zip(units, state["anchors"], strict=True):
-            if saved.shape != self.anchor[unit].shape:
-                raise ValueError(f"a saved sync point has {saved.numel()} values, its unit "
-                                 f"{self.anchor[unit].numel()}")
-            self.anchor[unit].copy_(saved)
+                f"({len(units)} units of {ours} values, {len(self.decay)} groups): resume "
+                "with the same parameters and groups")
+        if [a.numel() for a in anchors] != [u.momentum.numel() for u in units]:
+            # Cut otherwise (sparse_rows off on a state saved with it): the units lay the
+            # same parameters out in the same order whatever the cuts (momentum.partition).
+            anchors = torch.cat([a.reshape(-1) for a in anchors]).split(
+                [u.momentum.numel() for u in units])
+        for unit, point in zip(units, anchors, strict=True):
+            self.anchor[unit].copy_(point.view_as(self.anchor[unit]))
         self.decay, self.lr_sum = list(map(float, state["decay"])), list(
             map(float, state["lr_sum"]))
         self.steps = int(state["steps"])
