@@ -174,8 +174,8 @@ def test_bad_settings_are_refused_by_name(monkeypatch):
     monkeypatch.setenv("ONEBIT_ADAM", "1")
     monkeypatch.setenv("ONEBIT_FREEZE_STEP", "5")
     monkeypatch.setenv("ONEBIT_LOCAL_VARIANCE", "0")
-    with pytest.raises(ValueError,
-                       match="ONEBIT_LOCAL_VARIANCE and ONEBIT_SPARSE_ROWS are 0/1 Adam's"):
+    with pytest.raises(ValueError, match="ONEBIT_LOCAL_VARIANCE is 0/1 Adam's, and the "
+                                         "optimizer is onebit_adam"):
         settings_from_env()
 
 

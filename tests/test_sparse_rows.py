@@ -250,9 +250,18 @@ def test_bad_values_are_refused_and_the_setting_is_read_from_the_environment(mon
     assert settings_from_env().member_options(100)["sparse_rows"] is True
     monkeypatch.setenv("ONEBIT_SPARSE_ROWS", "0")
     assert settings_from_env().member_options(100)["sparse_rows"] is False
+    monkeypatch.setenv("ONEBIT_SPARSE_ROWS", " ")  # empty, as a template leaves it: the default
+    assert settings_from_env().member_options(100)["sparse_rows"] is True
     monkeypatch.setenv("ONEBIT_SPARSE_ROWS", "maybe")
     with pytest.raises(ValueError, match="ONEBIT_SPARSE_ROWS must be 1 or 0"):
         settings_from_env()
+    monkeypatch.setenv("ONEBIT_OPTIMIZER", "onebit_adam")
+    monkeypatch.setenv("ONEBIT_FREEZE_STEP", "10")
+    with pytest.raises(ValueError, match="ONEBIT_SPARSE_ROWS is 0/1 Adam's, and the optimizer "
+                                         "is onebit_adam: unset it"):
+        settings_from_env()
+    monkeypatch.setenv("ONEBIT_SPARSE_ROWS", "")  # empty: not set
+    assert settings_from_env().optimizer == "onebit_adam"
 
 
 def test_a_deepspeed_config_sets_it_and_another_member_is_told_whose_it_is():

@@ -36,7 +36,7 @@ TOPOLOGIES = ("auto", "flat", "hierarchical")
 # compile for sm_90, 2**21 did not compile), and blocks past a few thousand values buy nothing.
 MAX_BLOCK = 16384
 TRUE_WORDS = ("1", "true", "yes", "on")
-FALSE_WORDS = ("", "0", "false", "no", "off")
+FALSE_WORDS = ("0", "false", "no", "off")
 
 
 def _is_int(value, low: int) -> bool:
@@ -200,13 +200,15 @@ def check_hparams(lr, betas, eps, weight_decay) -> None:
 # ------------------------------------------------------------------------- the environment
 def flag(name: str, default: str) -> bool:
     """The one reading of an on/off ``ONEBIT_*`` variable: 1/true/yes/on or 0/false/no/off
-    (any case; unset is ``default``, empty is off), anything else a ``ValueError`` naming it."""
-    value = os.environ.get(name, default).strip().lower()
+    (any case; unset or empty is ``default``: an empty variable, as a container's template
+    leaves one, must not turn a default-on setting off), anything else a ``ValueError``
+    naming it."""
+    value = os.environ.get(name, "").strip().lower() or default
     if value in TRUE_WORDS:
         return True
     if value in FALSE_WORDS:
         return False
-    raise ValueError(f"{name} must be 1 or 0 (true/false), got {value!r}")
+    raise ValueError(f"{name} must be 1 or 0 (or true/false, yes/no, on/off), got {value!r}")
 
 
 VARIABLES = ("ONEBIT_ADAM", "ONEBIT_OPTIMIZER", "ONEBIT_FREEZE_STEP", "ONEBIT_VAR_FREEZE_STEP",
@@ -349,12 +351,14 @@ def settings_from_env() -> EnvSettings | None:
                              "from every step instead: set ONEBIT_LOCAL_VARIANCE=0 with it")
         # The family's config holds the member's exact stage.
         freeze = str(exact_steps(schedule["var_freeze_step"], 16))
-    if member != "zero_one_adam" and {"ONEBIT_VAR_FREEZE_STEP", "ONEBIT_LOCAL_STEP_SCALER",
-                                      "ONEBIT_LOCAL_VARIANCE", "ONEBIT_SPARSE_ROWS"
-                                      } & set(os.environ):
-        raise ValueError("ONEBIT_VAR_FREEZE_STEP, ONEBIT_LOCAL_STEP_SCALER, "
-                         "ONEBIT_LOCAL_VARIANCE and ONEBIT_SPARSE_ROWS are 0/1 Adam's "
-                         "settings: set ONEBIT_OPTIMIZER=zero_one_adam too")
+    theirs = sorted(k for k in ("ONEBIT_VAR_FREEZE_STEP", "ONEBIT_LOCAL_STEP_SCALER",
+                                "ONEBIT_LOCAL_VARIANCE", "ONEBIT_SPARSE_ROWS")
+                    if os.environ.get(k, "").strip())
+    if member != "zero_one_adam" and theirs:
+        raise ValueError(f"{' and '.join(theirs)} {'is' if len(theirs) == 1 else 'are'} 0/1 "
+                         f"Adam's, and the optimizer is {member}: unset it, or choose 0/1 Adam "
+                         "(ONEBIT_OPTIMIZER=zero_one_adam; onebit-run --optimizer "
+                         "zero_one_adam)")
     if not freeze:
         raise ValueError(
             "ONEBIT_ADAM=1 needs ONEBIT_FREEZE_STEP (or onebit-run --freeze-step N): the number "
