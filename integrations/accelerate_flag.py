@@ -128,8 +128,14 @@ def _when(opt) -> str:
                     "scheduler; in any other script set ONEBIT_TOTAL_STEPS or onebit-run "
                     f"--total-steps, or step {opt.freeze_step + 1} raises)")
         schedule = opt.policy.schedule(opt.total_steps)
-        return (f"after step {opt.freeze_step} (0/1 Adam: variance refreshes in full precision "
-                f"to step {schedule.last_a}, then local steps, the interval doubling "
+        refreshes = ("1-bit steps, each rank feeding its own variance and its refresh steps "
+                     "averaging them" if opt.policy.local_variance is not None else
+                     "1-bit steps and full-precision refreshes of the variance")
+        if schedule.total_steps is not None and schedule.last_a >= schedule.total_steps:
+            return (f"after step {opt.freeze_step} (0/1 Adam: {refreshes}, to the run's end: "
+                    "no local steps in this run)")
+        return (f"after step {opt.freeze_step} (0/1 Adam: {refreshes}, to step "
+                f"{schedule.last_a}, then local steps, the interval doubling "
                 f"every {schedule.local_step_scaler} steps up to "
                 f"{schedule.local_step_clipper})")
     if opt.auto_freeze is not None:

@@ -596,3 +596,15 @@ def test_a_validation_between_syncs_is_said_once_or_synced_first(caplog):
     syncs = opt.syncs
     syncing.on_validation_start(trainer, None)
     assert not opt.between_syncs and opt.syncs == syncs + 1
+
+
+def test_the_launchers_line_says_a_run_too_short_for_local_steps():
+    from onebit_plugin.integrations.accelerate_flag import _when
+
+    def line(n, **kw):
+        return _when(ZeroOneAdam(nn.Linear(2, 2).parameters(), total_steps=n, **kw))
+    assert line(30).endswith("to the run's end: no local steps in this run)")
+    assert "averaging them, to step 241, then local steps, the interval doubling every 3 " \
+        "steps up to 16)" in line(300)
+    assert "full-precision refreshes of the variance, to step 241" in line(
+        300, local_variance=False)
