@@ -477,17 +477,22 @@ def _ended_apart_worker(rank, world, total=None):
     handler.emit = records.append
     logging.getLogger("onebit_plugin").addHandler(handler)
     opt.training_ended()
+    counts = opt.bytes_sent, opt.dense_bytes
     opt.sync_local_steps()
     return apart, [r.getMessage() for r in records], opt.between_syncs, \
-        [p.detach().clone() for p in model.parameters()]
+        [p.detach().clone() for p in model.parameters()], \
+        (counts, (opt.bytes_sent, opt.dense_bytes))
 
 
 @pytest.mark.parametrize("total,advice", [(None, "Give the optimizer the run's length"),
                                           (40, "stopped before the total_steps=40")])
 def test_a_run_ending_between_syncs_is_said_and_sync_local_steps_lands_every_rank(total, advice):
-    (apart0, said0, after0, params0), (apart1, said1, after1, params1) = \
+    (apart0, said0, after0, params0, counts), (apart1, said1, after1, params1, _) = \
         run_ranks(_ended_apart_worker, 2, total)
     assert apart0 and apart1
+    # The extra sync's bytes are sent; DDP with Adam would have sent nothing for it.
+    (sent, dense), (sent_after, dense_after) = counts
+    assert sent_after > sent and dense_after == dense
     assert any("3 local steps after the last sync" in m and advice in m for m in said0), said0
     assert not after0 and not after1
     assert all(torch.equal(p, q) for p, q in zip(params0, params1, strict=True))
