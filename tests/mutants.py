@@ -465,6 +465,12 @@ MUTANTS = [
        "                if True:\n                    y.mul_(",
        "tests/test_sparse_rows.py::"
        "test_the_freeze_gives_a_row_sparse_tensor_a_unit_that_sends_m_over_denom"),
+    _m("sparse-rows-not-summed-over-the-host", "row: 0/1 Adam's sparse_rows",
+       "onebit_plugin/core/warmup_stage.py",
+       "    total = opt.shards.sum_over_host_ if opt.shards is not None else None\n",
+       "    total = None\n",
+       "tests/test_hsdp.py::"
+       "test_zero_one_reads_a_row_sharded_embedding_alike_on_every_rank_and_keeps_replicas_one"),
     _m("sparse-rows-stale-reads-kept", "row: 0/1 Adam's sparse_rows",
        "onebit_plugin/core/compression_stage.py",
        "opt.state[p].pop(SHARE, 0.0) >= ROW_SPARSE_SHARE]",

@@ -500,3 +500,41 @@ def test_a_crafted_checkpoint_runs_no_code(tmp_path):
     said = run_ranks(_crafted, 1, str(folder), str(marker))[0]
     assert "UnpicklingError" in said and "posix.system" in said, said
     assert not marker.exists()
+
+
+def _sparse_rows_run(rank, world):
+    """0/1 Adam under HSDP on a model whose embedding FSDP2 shards by rows over the host."""
+    from onebit_plugin.maths.sparse_rows import SHARE
+
+    mesh = _mesh()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.EmbeddingBag(3000, 8, mode="mean"), nn.Linear(8, 4))
+    for part in (model[0], model[1], model):
+        from torch.distributed.fsdp import fully_shard
+        fully_shard(part, mesh=mesh["shard"])
+    # 4 exact steps: a share read after k steps is at most 1 - 1/k (rows seen once).
+    opt = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=8, var_update_scaler=4,
+                      local_step_scaler=4, local_step_clipper=2, total_steps=30,
+                      process_group=mesh["replicate"].get_group())
+    for step in range(30):
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        ids = torch.randint(0, 3000, (8, 4), generator=gen)
+        nn.functional.cross_entropy(model(ids), ids[:, 0] % 4).backward()
+        opt.step()
+        opt.zero_grad()
+    check_lockstep(model.parameters(), opt)
+    return ([opt.state[p].get(SHARE) for p in opt.trainable()],
+            [u.send_bound for u in opt.units], _locals(model))
+
+
+def test_zero_one_reads_a_row_sharded_embedding_alike_on_every_rank_and_keeps_replicas_one():
+    """The freeze sums each tensor's zero rows over the host's shards: every rank reads the
+    same shares, each rank's shard of the embedding gets a unit sending ``m / denom``; the
+    replicas (same shard, other host) end bit-identical."""
+    runs = run_ranks(_sparse_rows_run, LOCAL * HOSTS, timeout=300)
+    shares = runs[0][0]
+    assert shares[0] >= 0.5 and shares[1] == 0.0 and shares[2] is None, shares
+    for read, bounds, _ in runs:
+        assert read == shares and bounds == [None, 1.0], (read, bounds)
+    for a, b in ((0, 2), (1, 3)):
+        assert all(torch.equal(x, y) for x, y in zip(runs[a][2], runs[b][2], strict=True))
