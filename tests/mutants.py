@@ -433,8 +433,8 @@ MUTANTS = [
        "tests/test_local_variance.py::"
        "test_the_averaged_local_variance_estimates_adams_variance_of_the_averaged_gradients"),
     _m("local-variance-not-averaged", "row: 0/1 Adam's local_variance", LOCAL_VARIANCE,
-       "    if opt.world_size > 1:\n        flat = torch.cat(",
-       "    if False:\n        flat = torch.cat(",
+       "    if opt.world_size > 1:\n        # In the units' layout order",
+       "    if False:\n        # In the units' layout order",
        "tests/test_local_variance.py::"
        "test_each_rank_feeds_its_own_variance_and_a_refresh_makes_them_one"),
     _m("local-variance-own-not-saved", "row: 0/1 Adam's local_variance", LOCAL_VARIANCE,
