@@ -376,8 +376,8 @@ class ZeroOneAdam(OneBitOptimizer):
     def phase(self) -> str:
         """``"warmup"`` (Adam), ``"A"`` (refreshes and 1-bit momentum) or ``"B"`` (local
         steps), at the last step taken."""
-        if self.switch_step is None or self.global_step <= self.switch_step:
-            return "warmup"  # the switch step itself was Adam's, as its line says
+        if self.switch_step is None:
+            return "warmup"
         return self.policy.schedule(self.total_steps).phase(self.global_step)
 
     @property
