@@ -502,15 +502,30 @@ def test_a_crafted_checkpoint_runs_no_code(tmp_path):
     assert not marker.exists()
 
 
+class _Tables(nn.Module):
+    """A bag of 3,000 rows, and a table of one row (256 values) that FSDP2 leaves empty on
+    one rank of each host, whose gradient is zero on the gated steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag, self.one = nn.EmbeddingBag(3000, 8, mode="mean"), nn.Embedding(1, 256)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, ids, on: float):
+        extra = self.one(torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device))
+        return self.head(self.bag(ids) + on * extra[:, :8])
+
+
 def _sparse_rows_run(rank, world):
-    """0/1 Adam under HSDP on a model whose embedding FSDP2 shards by rows over the host."""
+    """0/1 Adam under HSDP on a model whose embeddings FSDP2 shards by rows over the host."""
+    from torch.distributed.fsdp import fully_shard
+
     from onebit_plugin.maths.sparse_rows import SHARE
 
     mesh = _mesh()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.EmbeddingBag(3000, 8, mode="mean"), nn.Linear(8, 4))
-    for part in (model[0], model[1], model):
-        from torch.distributed.fsdp import fully_shard
+    model = _Tables()
+    for part in (model.bag, model.one, model.head, model):
         fully_shard(part, mesh=mesh["shard"])
     # 4 exact steps: a share read after k steps is at most 1 - 1/k (rows seen once).
     opt = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=8, var_update_scaler=4,
@@ -519,22 +534,27 @@ def _sparse_rows_run(rank, world):
     for step in range(30):
         gen = torch.Generator().manual_seed(1000 * step + rank)
         ids = torch.randint(0, 3000, (8, 4), generator=gen)
-        nn.functional.cross_entropy(model(ids), ids[:, 0] % 4).backward()
+        on = 0.0 if step == 3 else 1.0  # the one row zero at the last exact step: share 1
+        nn.functional.cross_entropy(model(ids, on), ids[:, 0] % 4).backward()
         opt.step()
         opt.zero_grad()
     check_lockstep(model.parameters(), opt)
     return ([opt.state[p].get(SHARE) for p in opt.trainable()],
-            [u.send_bound for u in opt.units], _locals(model))
+            [(u.momentum.numel(), u.send_bound) for u in opt.units], _locals(model))
 
 
 def test_zero_one_reads_a_row_sharded_embedding_alike_on_every_rank_and_keeps_replicas_one():
     """The freeze sums each tensor's zero rows over the host's shards: every rank reads the
-    same shares, each rank's shard of the embedding gets a unit sending ``m / denom``; the
-    replicas (same shard, other host) end bit-identical."""
+    same shares; each rank's shard of the bag gets a unit sending ``m / denom``, and so does
+    the one-row table's where it is not empty (an empty shard stays with its neighbours);
+    the replicas (same shard, other host) end bit-identical."""
     runs = run_ranks(_sparse_rows_run, LOCAL * HOSTS, timeout=300)
     shares = runs[0][0]
-    assert shares[0] >= 0.5 and shares[1] == 0.0 and shares[2] is None, shares
-    for read, bounds, _ in runs:
-        assert read == shares and bounds == [None, 1.0], (read, bounds)
+    assert shares[0] >= 0.5 and shares[1] == 1.0 and shares[2] == 0.0, shares
+    for read, units, _ in runs:
+        assert read == shares
+        apart = sorted(n for n, bound in units if bound == 1.0)
+        assert len(apart) == 2 or (len(apart) == 1 and apart[0] != 256), units
+    assert sum(256 in [n for n, b in units if b == 1.0] for _, units, _ in runs) == HOSTS
     for a, b in ((0, 2), (1, 3)):
         assert all(torch.equal(x, y) for x, y in zip(runs[a][2], runs[b][2], strict=True))

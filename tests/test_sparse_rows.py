@@ -278,3 +278,50 @@ def test_a_deepspeed_config_sets_it_and_another_member_is_told_whose_it_is():
     with pytest.raises(ValueError, match="sparse_rows is a parameter of ZeroOneAdam only"):
         from_deepspeed_config(_Bag().parameters(),
                               config("OneBitAdam", sparse_rows=False, freeze_step=10))
+
+
+def _one_process(sparse, steps=30):
+    torch.manual_seed(0)
+    model = _Bag()
+    opt = _optimizer(model, 40, sparse_rows=sparse)
+    for step in range(steps):
+        opt.zero_grad()
+        _loss(model, 0, step).backward()
+        opt.step()
+    return opt, [p.detach().clone() for p in model.parameters()]
+
+
+def test_one_process_compresses_nothing_and_so_sends_no_tensor_apart():
+    """In one process the exchange is exact: ``sparse_rows`` clamps nothing there (the same
+    bits as without it), though the freeze still reads the shares (for a resume on more)."""
+    opt, params = _one_process(True)
+    assert opt.state[opt.param_groups[0]["params"][0]][SHARE] >= ROW_SPARSE_SHARE
+    assert [u.send_bound for u in opt.units] == [None]
+    assert _same(params, _one_process(False)[1])
+
+
+def _small_table(rank, world, sparse_everywhere):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.EmbeddingBag(40, 4, mode="mean"), nn.Linear(4, 4))  # 160 values
+    sparse = sparse_everywhere or rank == 0
+    opt = _optimizer(model, 20, sparse_rows=sparse)
+    for step in range(14):
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        ids = torch.randint(0, 40, (2, 2), generator=gen)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(ids), ids[:, 0] % 4).backward()
+        opt.step()
+    return opt.state[model[0].weight][SHARE], [u.send_bound for u in opt.units]
+
+
+def test_a_table_too_small_for_a_unit_of_its_own_stays_with_its_neighbours():
+    """A row-sparse tensor of fewer than 256 values (an FSDP2 shard too, or an empty one)
+    keeps sending m in its neighbours' unit: a unit of two levels needs a value per rank of
+    a host."""
+    for share, bounds in run_ranks(_small_table, 2, True):
+        assert share >= ROW_SPARSE_SHARE and bounds == [None]
+
+
+def test_ranks_that_disagree_on_sparse_rows_are_refused_at_the_first_step():
+    with pytest.raises(RuntimeError, match="sparse_rows differs between ranks: \\[1, 0\\]"):
+        run_ranks(_small_table, 2, False)

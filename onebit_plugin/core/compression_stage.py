@@ -27,6 +27,8 @@ __all__ = ["UnitLayout", "build_units", "count_step", "frozen_update", "momentum
 
 log = logging.getLogger("onebit_plugin")
 
+ALONE_MIN = 256  # values: the smallest tensor that sparse_rows gives a unit of its own
+
 
 @dataclass
 class UnitLayout:
@@ -77,11 +79,15 @@ def build_units(opt) -> UnitLayout:
 
 def sparse_rows(opt) -> frozenset:
     """The trainable tensors whose gradients the freeze read as sparse in rows, where the
-    policy sends those apart (``Policy.sparse_rows_bound``): each gets a unit of its own."""
-    if opt.policy.sparse_rows_bound is None:
+    policy sends those apart (``Policy.sparse_rows_bound``): each gets a unit of its own. Not
+    in one process, where nothing is compressed (its exchange is exact: no clamp there), and
+    not a tensor (or FSDP2 shard) of fewer than ``ALONE_MIN`` values, which stays in its
+    neighbours' unit (a unit of two levels needs a value per rank of a host, and an empty
+    shard none at all)."""
+    if opt.policy.sparse_rows_bound is None or opt.world_size < 2:
         return frozenset()
-    return frozenset(p for p in opt.trainable()
-                     if opt.state[p].get(SHARE, 0.0) >= ROW_SPARSE_SHARE)
+    return frozenset(p for p in opt.trainable() if p.numel() >= ALONE_MIN and
+                     opt.state[p].get(SHARE, 0.0) >= ROW_SPARSE_SHARE)
 
 
 def settle_units(opt) -> None:
@@ -108,7 +114,8 @@ def _sparse_rows_dropped(opt) -> bool:
     where some tensor was row-sparse, whose units are now cut and sent otherwise, said once."""
     if opt.policy.sparse_rows_bound is not None:
         return False
-    apart = [p for p in opt.trainable() if opt.state[p].pop(SHARE, 0.0) >= ROW_SPARSE_SHARE]
+    apart = [p for p in opt.trainable() if opt.state[p].pop(SHARE, 0.0) >= ROW_SPARSE_SHARE
+             and p.numel() >= ALONE_MIN and opt.world_size > 1]
     if apart and opt._rank == 0:
         log.warning("onebit: this checkpoint sends %d tensor(s) whose gradients are sparse in "
                     "rows as m / denom (ZeroOneAdam's sparse_rows=True), and this optimizer "

@@ -226,7 +226,10 @@ class ZeroOnePolicy(AdamPolicy):
                 "var_update_scaler": self.var_update_scaler,
                 "local_step_scaler": number(self.local_step_scaler),
                 "local_step_clipper": self.local_step_clipper,
-                "total_steps (0/1 Adam)": total_steps or 0}
+                "total_steps (0/1 Adam)": total_steps or 0,
+                # Both change what is sent (sparse_rows how the units are cut, too).
+                "local_variance": int(self.local_variance is not None),
+                "sparse_rows": int(self.sparse_rows_bound is not None)}
 
 
 class ZeroOneAdam(OneBitOptimizer):

@@ -380,7 +380,7 @@ def settings_from_env() -> EnvSettings | None:
         follow_variance=flag("ONEBIT_FOLLOW_VARIANCE", "0" if member == "zero_one_adam" else "1"),
         topology=os.environ.get("ONEBIT_TOPOLOGY", "").strip() or "auto",
     )
-    if "ONEBIT_FOLLOW_VARIANCE" in os.environ and member == "onebit_lamb":
+    if os.environ.get("ONEBIT_FOLLOW_VARIANCE", "").strip() and member == "onebit_lamb":
         raise ValueError("ONEBIT_FOLLOW_VARIANCE is the Adam members' (1-bit LAMB's fresh "
                          "variance sets its trust ratio's factor instead); unset it")
     if fields["refresh_interval"] is not None and member != "onebit_adam":
