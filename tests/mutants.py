@@ -471,6 +471,25 @@ MUTANTS = [
        "    total = None\n",
        "tests/test_hsdp.py::"
        "test_zero_one_reads_a_row_sharded_embedding_alike_on_every_rank_and_keeps_replicas_one"),
+    _m("sparse-rows-in-one-process", "row: 0/1 Adam's sparse_rows",
+       "onebit_plugin/core/compression_stage.py",
+       "    if opt.policy.sparse_rows_bound is None or opt.world_size < 2:\n",
+       "    if opt.policy.sparse_rows_bound is None:\n",
+       "tests/test_sparse_rows.py::"
+       "test_one_process_compresses_nothing_and_so_sends_no_tensor_apart"),
+    _m("sparse-rows-empty-shard-alone", "row: 0/1 Adam's sparse_rows",
+       "onebit_plugin/core/compression_stage.py",
+       "ALONE_MIN = 256 ", "ALONE_MIN = 0 ",
+       "tests/test_hsdp.py::"
+       "test_zero_one_reads_a_row_sharded_embedding_alike_on_every_rank_and_keeps_replicas_one",
+       "tests/test_sparse_rows.py::"
+       "test_a_table_too_small_for_a_unit_of_its_own_stays_with_its_neighbours"),
+    _m("sparse-rows-not-agreed", "row: 0/1 Adam's sparse_rows",
+       "onebit_plugin/members/zero_one_adam.py",
+       '                "sparse_rows": int(self.sparse_rows_bound is not None)}',
+       "}",
+       "tests/test_sparse_rows.py::"
+       "test_ranks_that_disagree_on_sparse_rows_are_refused_at_the_first_step"),
     _m("sparse-rows-stale-reads-kept", "row: 0/1 Adam's sparse_rows",
        "onebit_plugin/core/compression_stage.py",
        "opt.state[p].pop(SHARE, 0.0) >= ROW_SPARSE_SHARE]",
