@@ -473,8 +473,8 @@ MUTANTS = [
        "test_zero_one_reads_a_row_sharded_embedding_alike_on_every_rank_and_keeps_replicas_one"),
     _m("sparse-rows-in-one-process", "row: 0/1 Adam's sparse_rows",
        "onebit_plugin/core/compression_stage.py",
-       "    if opt.policy.sparse_rows_bound is None or opt.world_size < 2:\n",
-       "    if opt.policy.sparse_rows_bound is None:\n",
+       "    return opt.world_size > 1 and p.numel() >= ALONE_MIN and \\\n",
+       "    return p.numel() >= ALONE_MIN and \\\n",
        "tests/test_sparse_rows.py::"
        "test_one_process_compresses_nothing_and_so_sends_no_tensor_apart"),
     _m("sparse-rows-empty-shard-alone", "row: 0/1 Adam's sparse_rows",
@@ -492,8 +492,8 @@ MUTANTS = [
        "test_ranks_that_disagree_on_sparse_rows_are_refused_at_the_first_step"),
     _m("sparse-rows-stale-reads-kept", "row: 0/1 Adam's sparse_rows",
        "onebit_plugin/core/compression_stage.py",
-       "opt.state[p].pop(SHARE, 0.0) >= ROW_SPARSE_SHARE]",
-       "opt.state[p].get(SHARE, 0.0) >= ROW_SPARSE_SHARE]",
+       "        opt.state[p].pop(SHARE, None)\n",
+       "        opt.state[p].get(SHARE, None)\n",
        "tests/test_sparse_rows.py::test_resuming_with_the_other_setting_is_said_once_and_goes_on"),
     # Memory (issue 30)
     _m("fold-buffer-made-up-front", "row: memory", UNIT,

@@ -84,10 +84,15 @@ def sparse_rows(opt) -> frozenset:
     not a tensor (or FSDP2 shard) of fewer than ``ALONE_MIN`` values, which stays in its
     neighbours' unit (a unit of two levels needs a value per rank of a host, and an empty
     shard none at all)."""
-    if opt.policy.sparse_rows_bound is None or opt.world_size < 2:
+    if opt.policy.sparse_rows_bound is None:
         return frozenset()
-    return frozenset(p for p in opt.trainable() if p.numel() >= ALONE_MIN and
-                     opt.state[p].get(SHARE, 0.0) >= ROW_SPARSE_SHARE)
+    return frozenset(p for p in opt.trainable() if _read_apart(opt, p))
+
+
+def _read_apart(opt, p) -> bool:
+    """Whether the freeze's read of ``p`` sends it apart where the policy does so."""
+    return opt.world_size > 1 and p.numel() >= ALONE_MIN and \
+        opt.state[p].get(SHARE, 0.0) >= ROW_SPARSE_SHARE
 
 
 def settle_units(opt) -> None:
@@ -114,8 +119,9 @@ def _sparse_rows_dropped(opt) -> bool:
     where some tensor was row-sparse, whose units are now cut and sent otherwise, said once."""
     if opt.policy.sparse_rows_bound is not None:
         return False
-    apart = [p for p in opt.trainable() if opt.state[p].pop(SHARE, 0.0) >= ROW_SPARSE_SHARE
-             and p.numel() >= ALONE_MIN and opt.world_size > 1]
+    apart = [p for p in opt.trainable() if _read_apart(opt, p)]
+    for p in opt.trainable():
+        opt.state[p].pop(SHARE, None)
     if apart and opt._rank == 0:
         log.warning("onebit: this checkpoint sends %d tensor(s) whose gradients are sparse in "
                     "rows as m / denom (ZeroOneAdam's sparse_rows=True), and this optimizer "

@@ -22,8 +22,7 @@ from onebit_plugin.maths.update import clip_folded_, corrected_root
 from onebit_plugin.wire.deferred import Encoded, Fold
 
 __all__ = ["MomentumUnit", "back_to_back", "build_units", "init_states_in_unit_order", "new_state",
-           "partition",
-           "refresh_denominators", "update_rows"]
+           "partition", "refresh_denominators", "update_rows"]
 
 
 def partition(params: list[torch.Tensor], cap_bytes: int, alone=frozenset()
