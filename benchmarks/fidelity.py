@@ -30,6 +30,7 @@ commit, machine, versions, command; every run's row and the table) to
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import json
 import math
@@ -347,6 +348,7 @@ def _rank(rank, world, port, workload, variant, seed, queue):
                      if hasattr(work, "schedule") else None)
         gen = torch.Generator().manual_seed(1000 * seed + rank)  # each rank its own batches
         curve, clipped = [], 0
+        rows = RowWatch(model)
         calls = _count_collectives()
         start, began = written(), time.perf_counter()
         evaluated = {STEPS * k // 6 for k in range(1, 7)}
@@ -373,11 +375,47 @@ def _rank(rank, world, port, workload, variant, seed, queue):
                   "seconds": time.perf_counter() - began,
                   "switch_step": getattr(opt, "switch_step", None),
                   "skipped_steps": getattr(opt, "skipped_steps", 0),
-                  "max_abs": largest_abs(model), "variance": variance_means(model, opt)}
+                  "max_abs": largest_abs(model), "variance": variance_means(model, opt),
+                  "rows": rows.result(model)}
         report(queue, rank, result)
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         queue.put((rank, repr(exc).encode()))
+
+
+class RowWatch:
+    """Each embedding table's rows (``nn.Embedding``, ``nn.EmbeddingBag``): which got a local
+    gradient on this rank (a hook on the weight, which sees the rank's own gradient before DDP
+    averages it) and, at the end, which still hold their initial values exactly."""
+
+    def __init__(self, model):
+        self.tables = {}
+        for name, module in model.named_modules():
+            if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+                w = module.weight
+                touched = torch.zeros(w.shape[0], dtype=torch.bool)
+                w.register_hook(functools.partial(_note_rows, touched))
+                self.tables[f"{name}.weight"] = (w, w.detach().clone(), touched)
+
+    def result(self, model) -> dict:
+        """Per table: this rank's touched rows and the rows unchanged since the start."""
+        return {name: {"touched": touched.clone(),
+                       "unmoved": w.detach().eq(start).all(1)}
+                for name, (w, start, touched) in self.tables.items()}
+
+
+def _note_rows(touched: torch.Tensor, grad: torch.Tensor) -> None:
+    touched.logical_or_(grad.reshape(grad.shape[0], -1).ne(0).any(1))
+
+
+def rows_never_moved(results: list[dict]) -> dict[str, int]:
+    """Per table, the rows some rank gave a gradient that end at their initial values (rank
+    0's; the ranks end alike)."""
+    out = {}
+    for name, table in results[0].get("rows", {}).items():
+        touched = torch.stack([r["rows"][name]["touched"] for r in results]).any(0)
+        out[name] = int((touched & table["unmoved"]).sum())
+    return out
 
 
 def variance_means(model, opt) -> dict[str, float]:
@@ -412,6 +450,8 @@ def run(workload, variant, seed, world=None) -> dict:
                           f"{seed}")
     out = results[0]
     out["bytes"] = sum(r["bytes"] for r in results) / world  # per rank, mean
+    out["never_moved"] = rows_never_moved(results)
+    out.pop("rows", None)
     return out
 
 
@@ -457,8 +497,9 @@ def summarize(rows: list[dict]) -> str:
     lines = ["| workload | variant | val loss vs Adam (mean, min..max over seeds) | bytes vs "
              "Adam (fewer) | collectives per step | largest per-tensor max abs vs Adam | freeze "
              "step | steps skipped (inf/NaN), per seed | steps clipped, per seed | variance "
-             "vs the member at 32 bits (largest per-tensor gap of means) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "vs the member at 32 bits (largest per-tensor gap of means) | embedding rows "
+             "with a gradient that never moved, mean per seed (Adam's) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for workload in WORKLOADS:
         for variant in ALL_VARIANTS:
             adam = {r["seed"]: r for r in rows
@@ -484,8 +525,17 @@ def summarize(rows: list[dict]) -> str:
                 f"{', '.join(map(str, freeze)) or '-'} | "
                 f"{', '.join(str(r.get('skipped_steps', 0)) for r in mine)} | "
                 f"{', '.join(str(r.get('clipped', 0)) for r in mine) if 'clip' in variant else '-'}"
-                f" | {f'{max(drift):.2%}' if drift else '-'} |")
+                f" | {f'{max(drift):.2%}' if drift else '-'} | {_never_moved(mine, adam)} |")
     return "\n".join(lines)
+
+
+def _never_moved(mine: list[dict], adam: dict) -> str:
+    """Rows with a gradient that never moved, summed over the tables, mean per seed."""
+    def mean(runs):
+        counts = [sum(r["never_moved"].values()) for r in runs if r.get("never_moved")]
+        return statistics.mean(counts) if counts else None
+    own, ref = mean(mine), mean([adam[r["seed"]] for r in mine])
+    return "-" if own is None else f"{own:.0f} ({ref:.0f})"
 
 
 def plot(rows: list[dict], path: Path) -> None:
