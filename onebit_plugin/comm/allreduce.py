@@ -72,6 +72,15 @@ class Plan:
         self.mask = CoordinateMask.build(self.layout, keep, self.device)
         self.chunk_mask = self.mask.chunk(self.layout, self.rank)
 
+    def unmask_(self, index: torch.Tensor) -> None:
+        """Coordinates ``index`` (int64, of the unpadded values; masked until now, so their
+        errors are zero) take part from now on."""
+        self.mask.unmask_(index)
+        chunk = self.layout.chunk
+        mine = index[(index >= self.rank * chunk) & (index < (self.rank + 1) * chunk)]
+        if mine.numel():  # the chunk's ``keep`` is a view of the whole's: already set
+            self.chunk_mask.unmask_(mine - self.rank * chunk)
+
     def new_errors(self) -> dict[str, torch.Tensor]:
         """Zero error buffers for this plan: ``worker`` (padded numel) and ``server`` (one
         chunk) for the 1-bit communicator, in its ``error_dtype``, and with bf16 errors

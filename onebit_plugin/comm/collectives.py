@@ -23,6 +23,7 @@ __all__ = [
     "WATCHDOG_MARGIN",
     "CommunicationError",
     "all_finite",
+    "any_over_ranks",
     "comm_executor",
     "group_size_and_rank",
     "group_timeout",
@@ -68,6 +69,30 @@ def all_finite(tensors) -> bool:
     else:
         sums = [t.sum(dtype=torch.float32) for t in tensors]
     return bool(torch.isfinite(torch.stack([s.float() for s in sums])).all())
+
+
+def any_over_ranks(bits: torch.Tensor, group, world: int, timeout: timedelta | None,
+                   what: str) -> tuple[torch.Tensor, int]:
+    """Where any rank of ``group`` (``world`` ranks) has a bit set (``bits``: bool, the same
+    length on every rank), by one all-gather of the bits packed 8 a byte (NCCL has no OR);
+    and the bytes this rank received."""
+    n = bits.numel()
+    if world == 1 or n == 0:
+        return bits, 0
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=bits.device)
+    padded = torch.zeros(-(-n // 8) * 8, dtype=torch.uint8, device=bits.device)
+    padded[:n] = bits
+    packed = padded.view(-1, 8).mul_(weights).sum(1, dtype=torch.uint8)
+    # Flat: gloo's all-gather rejects a (world, n) output for an (n,) input (torch 2.13).
+    gathered = torch.empty(world * packed.numel(), dtype=torch.uint8, device=bits.device)
+    work = dist.all_gather_into_tensor(gathered, packed, group=group, async_op=True)
+    wait_collectives([work], timeout, what, group)
+    rows = gathered.view(world, -1)
+    merged = rows[0].clone()
+    for other in rows[1:]:
+        merged.bitwise_or_(other)
+    return merged[:, None].bitwise_and(weights).ne(0).reshape(-1)[:n], \
+        (world - 1) * packed.numel()
 
 
 def wait_collectives(works: list, timeout: timedelta | None, what: str, group=None) -> None:

@@ -136,6 +136,11 @@ class HierarchicalPlan:
     def remask_(self, keep) -> None:
         self.inner.remask_(self._own_keep(keep))
 
+    def unmask_(self, index: torch.Tensor) -> None:
+        mine = index[(index >= self.lo) & (index < self.lo + self.size)]
+        if mine.numel():
+            self.inner.unmask_(mine - self.lo)
+
     def keeps(self, keep: torch.Tensor) -> bool:
         """Whether this rank's slice of ``keep`` is its mask already: the rest is other
         ranks' (a remask touches nothing shared)."""

@@ -30,6 +30,7 @@ class Resumed:
     rank: int | None = None
     sent: str = "momentum"
     local_steps: dict | None = None
+    mask_floor: float | None = None
 
 
 def onebit_state(opt) -> dict:
@@ -45,6 +46,10 @@ def onebit_state(opt) -> dict:
             "rank": opt.topology.rank,
             "unit_cap_bytes": opt.unit_cap_bytes, **opt.counts.state_dict(),
             "clipping": opt.handoff.sketch is not None, "units": units,
+            # The freeze's negligible root, where asleep rows wake (maths.late_rows): a resume
+            # masks from it, not from the denominators as woken rows left them.
+            "mask_floor": (opt.layout.mask_floor if opt.layout is not None
+                           else opt.resumed.mask_floor),
             "local_steps": opt.policy.rank_state(opt), "syncs": opt.syncs,
             "own_variances": opt.policy.own_variances(opt),
             "variance_clock": "steps", "sent": opt.policy.exchange.sent,
@@ -131,7 +136,8 @@ def load_onebit_state(opt, onebit: dict) -> None:
         # integrations load rank 0's whole state first, then each rank's own errors.
         opt.resumed = Resumed(units=onebit["units"], unit_cap_bytes=onebit["unit_cap_bytes"],
                               rank=onebit.get("rank"),  # absent in states saved before it
-                              sent=onebit.get("sent", "momentum"))  # absent: the momentum
+                              sent=onebit.get("sent", "momentum"),  # absent: the momentum
+                              mask_floor=onebit.get("mask_floor"))  # absent before it
     opt._forget_layout()
     opt.policy.load_rank_state(opt, onebit.get("local_steps"))
     opt.policy.load_own_variances(opt, onebit.get("own_variances"))

@@ -14,16 +14,17 @@ from dataclasses import dataclass
 import torch
 
 from onebit_plugin.comm.allreduce import OneBitAllreduce
-from onebit_plugin.comm.collectives import all_finite
+from onebit_plugin.comm.collectives import all_finite, any_over_ranks
 from onebit_plugin.core import checkpoint, variance_follow
 from onebit_plugin.core.momentum import build_units as build
 from onebit_plugin.core.momentum import partition, refresh_denominators
 from onebit_plugin.core.momentum import update_rows as rows_of
+from onebit_plugin.maths.late_rows import LateRows, seed_rows_
 from onebit_plugin.maths.sparse_rows import ROW_SPARSE_SHARE, SHARE
 from onebit_plugin.wire.dispatch import cpu_kernel
 
 __all__ = ["UnitLayout", "build_units", "count_step", "frozen_update", "momentum_step",
-           "refresh_step", "settle_units", "sparse_rows", "update_rows"]
+           "refresh_step", "settle_units", "sparse_rows", "update_rows", "wake_late_rows"]
 
 log = logging.getLogger("onebit_plugin")
 
@@ -43,6 +44,8 @@ class UnitLayout:
     step_index: dict
     cap_bytes: int
     rows: tuple | None = None
+    #: the freeze's negligible root where asleep rows wake (``maths.late_rows``), else None
+    mask_floor: float | None = None
 
 
 def build_units(opt) -> UnitLayout:
@@ -62,11 +65,15 @@ def build_units(opt) -> UnitLayout:
         spare = None
     sparse = sparse_rows(opt)
     parts = partition(opt.trainable(), cap, sparse)
-    units = build(
+    wakes = opt.config.mask_zero_variance and not opt.policy.keeps_variance
+    units, negligible = build(
         parts, opt.state, {p: g for g in opt.param_groups for p in g["params"]}, opt._masks,
         opt.config.mask_zero_variance, opt.communicator, spare, opt.policy.keeps_variance,
         [opt.policy.sparse_rows_bound if part[0] in sparse else opt.policy.exchange.send_bound
-         for part in parts])
+         for part in parts], opt.resumed.mask_floor if wakes else None)
+    if wakes:
+        for unit in units:
+            unit.late = LateRows.of(unit, negligible, opt._masks)
     # The step counters become views of one tensor: one add and one read a step for all of
     # them (a foreach add, a stack and a read of some 100 scalar tensors cost ~0.7 ms).
     trainable = opt.trainable()
@@ -74,7 +81,8 @@ def build_units(opt) -> UnitLayout:
     for p, count in zip(trainable, steps.unbind(), strict=True):
         opt.state[p]["step"] = count
     return UnitLayout(units, {p: u for u in units for p in u.params}, steps,
-                      {p: i for i, p in enumerate(trainable)}, cap)
+                      {p: i for i, p in enumerate(trainable)}, cap,
+                      mask_floor=negligible if wakes else None)
 
 
 def sparse_rows(opt) -> frozenset:
@@ -100,7 +108,7 @@ def settle_units(opt) -> None:
     state over them (``Policy.units_built``)."""
     _say_if_compact_errors_save_nothing(opt)
     saved, opt.resumed.units = opt.resumed.units, None
-    opt.resumed.unit_cap_bytes = None  # the layout holds it now
+    opt.resumed.unit_cap_bytes = opt.resumed.mask_floor = None  # the layout holds them now
     if _sparse_rows_dropped(opt) and saved is not None:
         saved = None  # cut otherwise: the errors stay zero
     if saved is not None:
@@ -169,12 +177,77 @@ def momentum_step(opt) -> None:
         # Left encoded where the CPU update pass can decode it as it reads it.
         ok &= unit.reduce_(opt.communicator, {p: p.grad for p in unit.params}, decode=False)
     if not ok:
+        for unit in opt.units:
+            unit.late is not None and unit.late.forget()
         return opt.skips.everywhere(opt.global_step, opt.config.max_skipped_steps)
     opt.skips.stepped()
     handoff.settle(opt.units)
     frozen_update(opt, count_step(opt), averaged=True)
     if follows:
         variance_follow.follow_(opt, sketches, handoff.clip_coef)
+    if opt.layout.mask_floor is not None:
+        wake_late_rows(opt, handoff.clip_coef)
+
+
+@torch.no_grad()
+def wake_late_rows(opt, clip_coef: float | None) -> int:
+    """After a 1-bit step's update: the asleep rows some rank's gradient touched this step
+    wake (``maths.late_rows``): one all-gather of the touched bits, one exact average of the
+    woken rows' gradients (scaled by the step's ``clip_coef``); returns how many woke. A
+    collective wherever a unit has asleep rows: every rank calls it at the same step."""
+    late = [u for u in opt.units if u.late is not None]
+    if not late:
+        return 0
+    entries = []  # (unit, param, its asleep rows, what this rank's fold noted of them)
+    for u in late:
+        noted, u.late.noted = u.late.noted, {}
+        entries += [(u, p, index, noted.get(p)) for p, index in u.late.rows.items()]
+    mine = torch.cat([noted[0] if noted is not None else
+                      torch.zeros(index.numel(), dtype=torch.bool, device=index.device)
+                      for _, _, index, noted in entries])
+    union, received = any_over_ranks(mine, opt.comm_group, opt.world_size, opt.comm_timeout,
+                                     "the late rows' bits")
+    opt.counts.add_exact(received, 0)
+    if not bool(union.any()):
+        return 0
+    # Each woken row's local gradient (zero where this rank's did not touch it), every
+    # tensor's rows in one flat buffer, averaged exactly.
+    pieces, woken, offset = [], [], 0
+    for u, p, index, noted in entries:
+        here, own = (x[offset : offset + index.numel()] for x in (union, mine))
+        offset += index.numel()
+        if not bool(here.any()):
+            continue
+        rows = torch.zeros(int(here.sum()), p.numel() // p.shape[0], dtype=torch.float32,
+                           device=p.device)
+        if noted is not None and bool(own.any()):
+            rows[here.cumsum(0).sub_(1)[own]] = noted[1]
+        pieces.append(rows)
+        woken.append((u, p, index, here))
+    flat = torch.cat([r.reshape(-1) for r in pieces])
+    if opt.world_size > 1:
+        variance_follow.mean_over_ranks_(opt, flat, "the woken rows' gradients")
+    if clip_coef is not None and clip_coef < 1.0:
+        flat.mul_(clip_coef)
+    floor, joined = opt.layout.mask_floor, {}
+    for (u, p, index, here), g in zip(woken, flat.split([r.numel() for r in pieces]),
+                                      strict=True):
+        woke = index[here]
+        coords, awake = seed_rows_(u, p, woke, g.view(woke.numel(), -1),
+                                   float(opt.state[p]["step"]), floor, opt._masks)
+        joined.setdefault(u, []).append(coords)
+        # A row none of whose coordinates joined (every root negligible) stays asleep, as a
+        # resume finds it from the denominators.
+        stays = here.logical_not()
+        stays[here.nonzero().reshape(-1)[~awake]] = True
+        u.late.rows[p] = index[stays]
+        if not u.late.rows[p].numel():
+            del u.late.rows[p]
+    for u, coords in joined.items():
+        u.unmask_(torch.cat(coords))
+        if not u.late.rows:
+            u.late = None
+    return int(union.sum())
 
 
 def refresh_step(opt) -> None:

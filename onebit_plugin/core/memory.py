@@ -36,6 +36,8 @@ def _tensors(opt) -> list[tuple[str, torch.Tensor]]:
         out += unit.plan.buffers(unit.errors)
         if unit.masked is not None:
             out.append(("masks", unit.masked))
+        if unit.late is not None:
+            out += unit.late.buffers()
     if opt.counts.comm is not None:
         out += opt.counts.comm.buffers()
     out += opt.policy.buffers()

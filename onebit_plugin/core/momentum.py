@@ -76,7 +76,7 @@ class MomentumUnit:
     """
 
     __slots__ = ("params", "offsets", "hypers", "momentum", "_local", "denom", "plan", "errors",
-                 "masked", "_views", "_encoded", "send_bound")
+                 "masked", "_views", "_encoded", "send_bound", "late")
 
     def __init__(self, params, momenta, denom, keep, hypers, comm, local=None,
                  send_bound: float | None = None):
@@ -118,6 +118,7 @@ class MomentumUnit:
         if local is not None:
             self._set_local(local)
         self._encoded = None  # averaged()'s parts, made at its first use (the wire is fixed)
+        self.late = None  # its rows asleep since the freeze (``maths.late_rows``), if any
 
     @property
     def local(self) -> torch.Tensor:
@@ -153,6 +154,14 @@ class MomentumUnit:
         if self.masked is not None:  # a refresh folded a gradient into masked momenta too
             self.momentum.masked_fill_(self.masked, 0.0)
 
+    def unmask_(self, index: torch.Tensor) -> None:
+        """Coordinates ``index`` (int64, flat in the unit; masked until now: their momentum
+        was cleared and their errors stay zero) join the exchange (``maths.late_rows``)."""
+        if index.numel():
+            self.masked[index] = False
+            self.plan.unmask_(index)
+            self._encoded = None  # its parts hold the old mask
+
     def view(self, p: torch.Tensor, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """``p``'s slice of the momentum (or of ``buffer``), shaped like ``p``."""
         buffer = self.momentum if buffer is None else buffer
@@ -175,7 +184,10 @@ class MomentumUnit:
     def fold(self, grads: dict) -> Fold:
         """The fold of ``grads`` (every parameter's local gradient, or None: zero) into the
         unit's local momentum, described (``deferred.Fold``); the communicator computes it, the
-        CPU kernel inside its worker pass."""
+        CPU kernel inside its worker pass. Asleep rows' gradients are noted on the way
+        (``maths.late_rows``)."""
+        if self.late is not None:
+            self.late.note(grads)
         parts = []
         for p in self.params:
             hyper = self.hypers[p]
@@ -318,8 +330,8 @@ def _denominator(params: list[torch.Tensor], state, groups: dict, in_place: bool
 
 def build_units(parts: list[list[torch.Tensor]], state, groups: dict, masks: dict,
                 mask_zero_variance: bool, comm, spare: torch.Tensor | None,
-                keep_variance: bool = False, send_bounds: list | None = None
-                ) -> list[MomentumUnit]:
+                keep_variance: bool = False, send_bounds: list | None = None,
+                negligible: float | None = None) -> tuple[list[MomentumUnit], float]:
     """At the stage change: a unit per part of :func:`partition`, its denominator the frozen
     ``sqrt(v_hat) + eps`` of its parameters (``state[p]``: ``exp_avg_sq`` and
     ``frozen_step``; ``groups[p]``: its param group), its mask from the denominators and
@@ -328,13 +340,16 @@ def build_units(parts: list[list[torch.Tensor]], state, groups: dict, masks: dic
     the denominator where it can, and ``state[p]["frozen_denominator"]`` (a view of it) is what
     checkpoints hold. ``spare``: resident memory no longer used (warm-up's gradient buffer),
     cut into fold buffers where it fits. ``send_bounds``: each part's unit's
-    :class:`MomentumUnit` ``send_bound`` (None: None for all)."""
+    :class:`MomentumUnit` ``send_bound`` (None: None for all). ``negligible``: the root below
+    which a coordinate is masked (``masks.negligible_root``; None: from these denominators).
+    Returns the units and that root."""
     # One pass computes each denominator into the memory that keeps it; the masks read it: with
     # a root per use (three) and the temporaries each made, this step took 1.3 s on each of 4
     # emulated hosts sharing 2 cores at 6.5M parameters, against some 0.2 s for a
     # compression-stage step (2026-12-01, benchmarks/cluster.py).
     denoms = [_denominator(params, state, groups, not keep_variance) for params in parts]
-    negligible = negligible_root(denoms) if mask_zero_variance else 0.0
+    if negligible is None:
+        negligible = negligible_root(denoms) if mask_zero_variance else 0.0
     units, start = [], 0
     for params, denom, bound in zip(parts, denoms, send_bounds or [None] * len(parts),
                                     strict=True):
@@ -352,7 +367,7 @@ def build_units(parts: list[list[torch.Tensor]], state, groups: dict, masks: dic
                 state[p].pop("exp_avg_sq", None)
                 state[p]["frozen_denominator"] = unit.view(p, denom)
         units.append(unit)
-    return units
+    return units, negligible
 
 
 def refresh_denominators(units: list[MomentumUnit], state, groups: dict, masks: dict,

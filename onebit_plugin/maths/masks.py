@@ -11,7 +11,7 @@ import math
 
 import torch
 
-__all__ = ["NEGLIGIBLE_VARIANCE", "checked_masks", "keep_mask", "negligible_root"]
+__all__ = ["NEGLIGIBLE_VARIANCE", "above_floor", "checked_masks", "keep_mask", "negligible_root"]
 
 # A frozen sqrt(v) below this fraction of the rms sqrt(v) over all trainable coordinates is a
 # gradient that is zero up to rounding: fp32 rounding leaves about 1e-7 of the terms' size, and
@@ -51,14 +51,22 @@ def keep_mask(params: list[torch.Tensor], denom: torch.Tensor, eps: list[float],
         piece, out = denom[offset : offset + p.numel()], keep[offset : offset + p.numel()]
         if not mask_zero_variance:
             out.fill_(True)
-        elif negligible != 0:  # a NaN fails the comparison (masked); a NaN bound masks all
-            torch.ge(piece, e + negligible, out=out)
-        else:  # every sqrt(v) is 0: only the zeros (and NaNs) are masked
-            torch.gt(piece, e, out=out)
+        else:
+            above_floor(piece, e, negligible, out)
         if p in masks:
             out &= masks[p].reshape(-1)
         offset += p.numel()
     return keep
+
+
+def above_floor(denom: torch.Tensor, eps: float, negligible: float,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """Where denominators ``sqrt(v_hat) + eps`` (``denom``) have a root of at least
+    ``negligible``: the coordinates the variance keeps (:func:`keep_mask`; a row that wakes,
+    ``maths.late_rows``)."""
+    if negligible != 0:  # a NaN fails the comparison (masked); a NaN bound masks all
+        return torch.ge(denom, eps + negligible, out=out)
+    return torch.gt(denom, eps, out=out)  # every sqrt(v) is 0: only the zeros (and NaNs)
 
 
 def checked_masks(masks: dict | None, shards=None) -> dict:

@@ -174,6 +174,16 @@ class CoordinateMask:
         chunk = layout.chunk
         return CoordinateMask(self.keep[rank * chunk : (rank + 1) * chunk], self.block)
 
+    def unmask_(self, index: torch.Tensor) -> None:
+        """Coordinates ``index`` (int64, into ``keep``) take part from now on: only their
+        blocks' counts and the index list change (a rebuild reads every value)."""
+        self.keep[index] = True
+        blocks = torch.unique(index // self.block)
+        self.counts[blocks] = (self.keep.view(-1, self.block)[blocks].view(torch.uint8)
+                               .sum(dim=1, dtype=torch.int32).to(torch.float32).clamp_(min=1.0))
+        if "dropped" in vars(self):
+            self.dropped = self.dropped[self.keep[self.dropped].logical_not()]
+
     def zero_(self, values: torch.Tensor) -> torch.Tensor:
         """Set the dropped coordinates of the 1-D ``values`` to 0; ``values`` may be shorter
         than the mask (a tensor without its padding tail)."""

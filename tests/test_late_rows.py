@@ -1,0 +1,171 @@
+"""Rows first seen after the freeze (``onebit_plugin.maths.late_rows``): an embedding row whose
+variance was zero at the freeze wakes at its first gradient on any rank, takes Adam's variance
+and momentum after that gradient, and trains; the ranks stay alike, the DDP hook and
+``step()`` give the same bits, and a resume across wakes is bit for bit."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from onebit_plugin import OneBitAdam, OneBitLamb, ZeroOneAdam, register_onebit_hook
+from onebit_plugin.comm.allreduce import Plan
+from onebit_plugin.core.memory import buffer_bytes
+from onebit_plugin.wire.compression import ChunkLayout
+from tests.dist_helpers import assert_ranks_identical, resume, run_ranks, save_for_resume
+
+ROWS, EARLY, FREEZE = 300, 60, 6
+ONLY_RANK1 = ROWS - 1  # drawn by rank 1 alone, after the freeze
+NEVER = ROWS - 2  # drawn by nobody
+
+
+class _Table(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(ROWS, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids)).squeeze(1)
+
+
+def _ids(step: int, rank: int) -> torch.Tensor:
+    """Rows below EARLY before step 10, then any row but NEVER (ONLY_RANK1 on rank 1 alone)."""
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    ids = torch.randint(0, EARLY if step < 10 else NEVER, (16,), generator=gen)
+    if step >= 10 and rank == 1 and step % 5 == 0:
+        ids[0] = ONLY_RANK1
+    return ids
+
+
+def _loss(net, step, rank):
+    ids = _ids(step, rank)
+    return ((net(ids) - ids.float() / ROWS) ** 2).mean()
+
+
+def _members():
+    return {"onebit_adam": lambda ps: OneBitAdam(ps, lr=1e-2, freeze_step=FREEZE),
+            "onebit_lamb": lambda ps: OneBitLamb(ps, lr=1e-2, freeze_step=FREEZE)}
+
+
+def _train(rank, world, member, hook, steps, save=None, load=None):
+    torch.manual_seed(0)
+    model = _Table()
+    start_rows = model.emb.weight.detach().clone()
+    net = DDP(model) if hook else model
+    opt = _members()[member](net.parameters())
+    if hook:
+        register_onebit_hook(net, opt)
+    begin = resume(load, rank, model, opt)
+    after, moved = [], torch.zeros(ROWS, dtype=torch.bool)
+    for step in range(begin, steps):
+        opt.zero_grad()
+        _loss(net, step, rank).backward()
+        opt.step()
+        after.append([p.detach().clone() for p in model.parameters()])
+        # Moved at some step: 1-bit Adam's sign noise may bring a rare row back to its start.
+        moved |= model.emb.weight.detach().ne(start_rows).any(1)
+        if save is not None and step + 1 == save[1]:
+            save_for_resume(save[0], rank, model, opt, step + 1)
+    unit = opt.unit_of(model.emb.weight)
+    return {"after": after, "moved": moved,
+            "asleep": 0 if unit.late is None else unit.late.asleep()}
+
+
+@pytest.mark.parametrize("member", ["onebit_adam", "onebit_lamb"])
+def test_rows_first_drawn_after_the_freeze_train_alike_on_every_rank_and_path(member):
+    steps = 30
+    plain = run_ranks(_train, 2, member, False, steps)
+    hooked = run_ranks(_train, 2, member, True, steps)
+    for step in range(steps):
+        assert_ranks_identical([r["after"][step] for r in plain], f"after step {step + 1}")
+        assert_ranks_identical([plain[0]["after"][step], hooked[0]["after"][step]],
+                               f"the hook against step() after step {step + 1}")
+    drawn = torch.zeros(ROWS, dtype=torch.bool)
+    for step in range(steps - 1):
+        for rank in range(2):
+            drawn[_ids(step, rank)] = True
+    late = drawn.clone()
+    late[:EARLY] = False  # rows drawn after the freeze alone (and before the last step, where
+    # a row woken takes its momentum, which moves it from the next step on)
+    for rank in range(2):
+        drawn[_ids(steps - 1, rank)] = True
+    assert int(late.sum()) > 100 and bool(late[ONLY_RANK1])
+    moved = plain[0]["moved"]
+    assert bool(moved[late].all()), f"{int((~moved[late]).sum())} late rows never moved"
+    assert not bool(moved[NEVER])
+    assert plain[0]["asleep"] == int((~drawn).sum())  # the undrawn rows sleep on
+
+
+def test_a_resume_across_wakes_is_bit_for_bit(tmp_path):
+    steps, cut = 26, 15
+    whole = run_ranks(_train, 2, "onebit_adam", False, steps)
+    path = str(tmp_path / "ckpt")
+    run_ranks(_train, 2, "onebit_adam", False, cut, (path, cut))
+    again = run_ranks(_train, 2, "onebit_adam", False, steps, None, path)
+    assert whole[0]["asleep"] == again[0]["asleep"] > 0
+    for rank in range(2):
+        for a, b in zip(whole[rank]["after"][-1], again[rank]["after"][-1], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_a_woken_row_takes_adams_variance_and_momentum_after_its_first_gradient():
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4)
+    user = torch.ones(10, 4, dtype=torch.bool)
+    user[7, 0] = False  # the user's mask holds after the row wakes
+    opt = OneBitAdam(emb.parameters(), lr=1e-2, freeze_step=3, masks={emb.weight: user})
+    b1, b2 = 0.9, 0.999
+    for step in range(5):
+        opt.zero_grad()
+        ids = torch.tensor([0, 1, 2]) if step < 4 else torch.tensor([0, 7])
+        emb(ids).pow(2).sum().backward()
+        g7 = emb.weight.grad[7].clone()
+        opt.step()
+    unit = opt.unit_of(emb.weight)
+    t = 5.0
+    root = g7.abs() * math.sqrt((1 - b2) / (1 - b2**t))
+    assert torch.allclose(unit.view(emb.weight, unit.denom)[7], root + 1e-8, rtol=1e-6)
+    momentum = opt.state[emb.weight]["exp_avg"][7]
+    assert torch.allclose(momentum[1:], (1 - b1) * g7[1:], rtol=1e-6) and momentum[0] == 0
+    assert unit.view(emb.weight, unit.masked)[7].tolist() == [True, False, False, False]
+    assert bool(unit.view(emb.weight, unit.masked)[8].all())  # never drawn: still asleep
+    assert unit.late.asleep() == 6  # rows 3-6, 8, 9
+    assert buffer_bytes(opt)["late rows"] == 8 * 6  # their indices
+    moved = emb.weight[7].detach().clone()
+    opt.zero_grad()
+    emb(torch.tensor([0])).pow(2).sum().backward()
+    opt.step()
+    assert not torch.equal(emb.weight[7], moved)  # its momentum moves it at the next step
+
+
+def test_coordinates_joining_leave_the_plan_as_a_rebuild_from_the_new_mask_would():
+    keep = torch.rand(1000, generator=torch.Generator().manual_seed(0)) > 0.7
+    join = (~keep).nonzero().reshape(-1)[::3]
+    for rank in range(2):
+        layout = ChunkLayout.create(1000, 2, 64)
+        plan = Plan(layout, keep, "cpu", rank, True)
+        made = plan.mask.dropped, plan.chunk_mask.dropped  # the CPU passes' index lists
+        assert all(d.numel() for d in made)
+        plan.unmask_(join)
+        after = keep.clone()
+        after[join] = True
+        rebuilt = Plan(layout, after, "cpu", rank, True)
+        for mine, theirs in ((plan.mask, rebuilt.mask), (plan.chunk_mask, rebuilt.chunk_mask)):
+            assert torch.equal(mine.keep, theirs.keep)
+            assert torch.equal(mine.counts, theirs.counts)
+            assert torch.equal(mine.dropped, theirs.dropped)
+
+
+def test_members_that_keep_the_variance_wake_rows_at_their_refreshes_instead():
+    emb = nn.Embedding(10, 4)
+    opt = ZeroOneAdam(emb.parameters(), lr=1e-2, var_freeze_step=4, total_steps=20)
+    for _ in range(6):
+        opt.zero_grad()
+        emb(torch.tensor([0, 1])).pow(2).sum().backward()
+        opt.step()
+    assert all(u.late is None for u in opt.units) and opt.layout.mask_floor is None
