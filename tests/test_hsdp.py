@@ -558,3 +558,58 @@ def test_zero_one_reads_a_row_sharded_embedding_alike_on_every_rank_and_keeps_re
     assert sum(256 in [n for n, b in units if b == 1.0] for _, units, _ in runs) == HOSTS
     for a, b in ((0, 2), (1, 3)):
         assert all(torch.equal(x, y) for x, y in zip(runs[a][2], runs[b][2], strict=True))
+
+
+class _Late(nn.Module):
+    """A table of 400 rows (200 per shard) of which the first 40 are drawn before the
+    freeze, any after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(400, 8), nn.Linear(8, 1)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids)).squeeze(1)
+
+
+def _late_rows_run(rank, world):
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = _mesh()
+    torch.manual_seed(0)
+    model = _Late()
+    start = model.emb.weight.detach().clone()
+    for part in (model.emb, model.head, model):
+        fully_shard(part, mesh=mesh["shard"])
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=4,
+                     process_group=mesh["replicate"].get_group())
+    drawn, moved = torch.zeros(400, dtype=torch.bool), None
+    lo = -(-400 // LOCAL) * (rank % LOCAL)
+    for step in range(24):
+        ids = [torch.randint(0, 40 if step < 4 else 400, (16,),
+                             generator=torch.Generator().manual_seed(100 * step + r))
+               for r in range(world)]
+        if step < 23:  # a row woken at the last step moves from the next on
+            for i in ids:
+                drawn[i] = True
+        nn.functional.mse_loss(model(ids[rank]), ids[rank].float() / 400).backward()
+        opt.step()
+        opt.zero_grad()
+        check_lockstep(model.parameters(), opt)
+        # Moved at some step: the sign noise may bring a rare row back to its start.
+        local = model.emb.weight._local_tensor.detach()
+        now = local.ne(start[lo : lo + local.shape[0]]).any(1)
+        moved = now if moved is None else moved | now
+    return moved, drawn[lo : lo + moved.numel()], _locals(model)
+
+
+def test_one_bit_adam_wakes_rows_first_drawn_after_the_freeze_on_each_shard():
+    """1-bit Adam under HSDP: each shard's rows that no batch drew by the freeze wake at
+    their first gradient on any host, alike on the two replicas of the shard."""
+    runs = run_ranks(_late_rows_run, LOCAL * HOSTS, timeout=300)
+    for moved, drawn, _ in runs:
+        assert int(drawn.sum()) > 100  # of the shard's 200 rows, most drawn after the freeze
+        assert bool(moved[drawn].all()), f"{int((~moved[drawn]).sum())} drawn rows unmoved"
+        assert not bool(moved[~drawn].any())
+    for a, b in ((0, 2), (1, 3)):
+        assert all(torch.equal(x, y) for x, y in zip(runs[a][2], runs[b][2], strict=True))
