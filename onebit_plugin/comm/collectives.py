@@ -85,7 +85,7 @@ def any_over_ranks(bits: torch.Tensor, group, world: int, timeout: timedelta | N
     packed = padded.view(-1, 8).mul_(weights).sum(1, dtype=torch.uint8)
     # Flat: gloo's all-gather rejects a (world, n) output for an (n,) input (torch 2.13).
     gathered = torch.empty(world * packed.numel(), dtype=torch.uint8, device=bits.device)
-    work = dist.all_gather_into_tensor(gathered, packed, group=group, async_op=True)
+    work = dist.all_gather_single(gathered, packed, group=group, async_op=True)
     wait_collectives([work], timeout, what, group)
     rows = gathered.view(world, -1)
     merged = rows[0].clone()
