@@ -6,6 +6,7 @@ and momentum after that gradient, and trains; the ranks stay alike, the DDP hook
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -47,17 +48,21 @@ def _loss(net, step, rank):
     return ((net(ids) - ids.float() / ROWS) ** 2).mean()
 
 
-def _members():
-    return {"onebit_adam": lambda ps: OneBitAdam(ps, lr=1e-2, freeze_step=FREEZE),
-            "onebit_lamb": lambda ps: OneBitLamb(ps, lr=1e-2, freeze_step=FREEZE)}
+def _members(topology):
+    return {"onebit_adam": lambda ps: OneBitAdam(ps, lr=1e-2, freeze_step=FREEZE,
+                                                 topology=topology),
+            "onebit_lamb": lambda ps: OneBitLamb(ps, lr=1e-2, freeze_step=FREEZE,
+                                                 topology=topology)}
 
 
-def _train(rank, world, member, hook, steps, save=None, load=None):
+def _train(rank, world, member, hook, steps, save=None, load=None, topology="flat"):
+    if topology == "hierarchical":
+        os.environ["LOCAL_WORLD_SIZE"] = "2"  # 2 hosts of 2 ranks
     torch.manual_seed(0)
     model = _Table()
     start_rows = model.emb.weight.detach().clone()
     net = DDP(model) if hook else model
-    opt = _members()[member](net.parameters())
+    opt = _members(topology)[member](net.parameters())
     if hook:
         register_onebit_hook(net, opt)
     begin = resume(load, rank, model, opt)
@@ -73,7 +78,22 @@ def _train(rank, world, member, hook, steps, save=None, load=None):
             save_for_resume(save[0], rank, model, opt, step + 1)
     unit = opt.unit_of(model.emb.weight)
     return {"after": after, "moved": moved,
-            "asleep": 0 if unit.late is None else unit.late.asleep()}
+            "asleep": 0 if unit.late is None else unit.late.asleep(),
+            "topology": opt.topology.describe()}
+
+
+def _late_and_drawn(steps: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows first drawn after the freeze and before the last step (a row woken there takes
+    its momentum, which moves it from the next step on), and every row drawn."""
+    drawn = torch.zeros(ROWS, dtype=torch.bool)
+    for step in range(steps - 1):
+        for rank in range(world):
+            drawn[_ids(step, rank)] = True
+    late = drawn.clone()
+    late[:EARLY] = False
+    for rank in range(world):
+        drawn[_ids(steps - 1, rank)] = True
+    return late, drawn
 
 
 @pytest.mark.parametrize("member", ["onebit_adam", "onebit_lamb"])
@@ -85,20 +105,24 @@ def test_rows_first_drawn_after_the_freeze_train_alike_on_every_rank_and_path(me
         assert_ranks_identical([r["after"][step] for r in plain], f"after step {step + 1}")
         assert_ranks_identical([plain[0]["after"][step], hooked[0]["after"][step]],
                                f"the hook against step() after step {step + 1}")
-    drawn = torch.zeros(ROWS, dtype=torch.bool)
-    for step in range(steps - 1):
-        for rank in range(2):
-            drawn[_ids(step, rank)] = True
-    late = drawn.clone()
-    late[:EARLY] = False  # rows drawn after the freeze alone (and before the last step, where
-    # a row woken takes its momentum, which moves it from the next step on)
-    for rank in range(2):
-        drawn[_ids(steps - 1, rank)] = True
+    late, drawn = _late_and_drawn(steps, 2)
     assert int(late.sum()) > 100 and bool(late[ONLY_RANK1])
     moved = plain[0]["moved"]
     assert bool(moved[late].all()), f"{int((~moved[late]).sum())} late rows never moved"
     assert not bool(moved[NEVER])
     assert plain[0]["asleep"] == int((~drawn).sum())  # the undrawn rows sleep on
+
+
+def test_rows_wake_alike_over_two_levels():
+    """topology="hierarchical" (2 hosts of 2 ranks): the woken rows' average and bits cross
+    the hosts as the rest does; every rank wakes the same rows."""
+    steps = 20
+    runs = run_ranks(_train, 4, "onebit_adam", False, steps, None, None, "hierarchical")
+    assert runs[0]["topology"] == "hierarchical 2x2"
+    for step in range(steps):
+        assert_ranks_identical([r["after"][step] for r in runs], f"after step {step + 1}")
+    late, _ = _late_and_drawn(steps, 4)
+    assert bool(runs[0]["moved"][late].all())
 
 
 def test_a_resume_across_wakes_is_bit_for_bit(tmp_path):
