@@ -545,11 +545,12 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     drawn = [w for w in WORKLOADS if any(r["workload"] == w for r in rows)]
-    fig, axes = plt.subplots(1, len(drawn), figsize=(5 * len(drawn), 4), squeeze=False)
-    axes = axes[0]
+    # Loss against bytes above, against step below: a frontier, and when each member gets there.
+    fig, axes = plt.subplots(2, len(drawn), figsize=(5 * len(drawn), 8), squeeze=False)
     # A colour per variant of this run (the full list is longer than the palette).
     present = [v for v in ALL_VARIANTS if any(r["variant"] == v for r in rows)]
-    for ax, workload in zip(axes, drawn, strict=True):
+    for column, workload in enumerate(drawn):
+        by_bytes, by_step = axes[0][column], axes[1][column]
         for variant in ALL_VARIANTS:
             mine = [r for r in rows if r["workload"] == workload and r["variant"] == variant]
             finals = [r["val_loss"] for r in mine]
@@ -558,20 +559,24 @@ def plot(rows: list[dict], path: Path) -> None:
             if not mine or not adam or \
                     not all(math.isfinite(v) and v < 2 * max(adam) for v in finals):
                 continue  # diverged: in the table, off the plot
-            steps = len(mine[0]["curve"])
-            mb = [statistics.mean(r["curve"][i][1] for r in mine) / 2**20 for i in range(steps)]
-            loss = [statistics.mean(r["curve"][i][2] for r in mine) for i in range(steps)]
-            ax.plot(mb, loss, marker="o", label=variant,
-                    color=f"C{present.index(variant) % 10}",
-                    linestyle="--" if "clip" in variant else "-")
-        ax.set_xscale("log")
+            points = len(mine[0]["curve"])
+            step = [mine[0]["curve"][i][0] for i in range(points)]
+            mb = [statistics.mean(r["curve"][i][1] for r in mine) / 2**20 for i in range(points)]
+            loss = [statistics.mean(r["curve"][i][2] for r in mine) for i in range(points)]
+            style = dict(marker="o", label=variant, color=f"C{present.index(variant) % 10}",
+                         linestyle="--" if "clip" in variant else "-")
+            by_bytes.plot(mb, loss, **style)
+            by_step.plot(step, loss, **style)
+        by_bytes.set_xscale("log")
         # Log ticks between powers of ten are labelled too where a span is short: on their
         # side they overlapped.
-        ax.tick_params(axis="x", which="both", labelrotation=45, labelsize=7)
-        ax.set_xlabel("MiB written per rank (/proc/self/io)")
-        ax.set_ylabel("validation loss (mean of seeds)")
-        ax.set_title(workload)
-        ax.legend()
+        by_bytes.tick_params(axis="x", which="both", labelrotation=45, labelsize=7)
+        by_bytes.set_xlabel("MiB written per rank (/proc/self/io)")
+        by_step.set_xlabel("optimizer step")
+        for ax in (by_bytes, by_step):
+            ax.set_ylabel("validation loss (mean of seeds)")
+            ax.set_title(workload)
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
