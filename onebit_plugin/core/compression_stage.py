@@ -205,9 +205,9 @@ def wake_late_rows(opt, clip_coef: float | None) -> int:
     mine = torch.cat([noted[0] if noted is not None else
                       torch.zeros(index.numel(), dtype=torch.bool, device=index.device)
                       for _, _, index, noted in entries])
-    union, received = any_over_ranks(mine, opt.comm_group, opt.world_size, opt.comm_timeout,
-                                     "the late rows' bits")
-    opt.counts.add_exact(received, 0)
+    union, sent = any_over_ranks(mine, opt.comm_group, opt.world_size, opt.comm_timeout,
+                                 "the late rows' bits")
+    opt.counts.add_exact(sent, 0)
     if not bool(union.any()):
         return 0
     # Each woken row's local gradient (zero where this rank's did not touch it), every
