@@ -66,11 +66,13 @@ def build_units(opt) -> UnitLayout:
     sparse = sparse_rows(opt)
     parts = partition(opt.trainable(), cap, sparse)
     wakes = opt.config.mask_zero_variance and not opt.policy.keeps_variance
+    groups = {p: g for g in opt.param_groups for p in g["params"]}
     units, negligible = build(
-        parts, opt.state, {p: g for g in opt.param_groups for p in g["params"]}, opt._masks,
-        opt.config.mask_zero_variance, opt.communicator, spare, opt.policy.keeps_variance,
-        [opt.policy.sparse_rows_bound if part[0] in sparse else opt.policy.exchange.send_bound
-         for part in parts], opt.resumed.mask_floor if wakes else None)
+        parts, opt.state, groups, opt._masks, opt.config.mask_zero_variance, opt.communicator,
+        spare, opt.policy.keeps_variance,
+        [opt.policy.sparse_bound(groups[part[0]]) if part[0] in sparse
+         else opt.policy.exchange.send_bound for part in parts],
+        opt.resumed.mask_floor if wakes else None)
     if wakes:
         for unit in units:
             unit.late = LateRows.of(unit, negligible, opt._masks)
@@ -291,13 +293,12 @@ def frozen_update(opt, counts: list[float], *, averaged: bool,
     from the units' averages (``averaged``) or from the momenta as they are; ``local_bound``:
     a local step's bound, on this rank's own momentum (``local_steps.local_bound``). An
     exchange that bounds what it sends (``policy.OverDenominator``) leaves no bound here."""
-    bound = None
-    if opt.config.bound_update and opt.policy.exchange.send_bound is None:
-        bound = 1.0 if local_bound is None else local_bound
+    bounded = opt.config.bound_update and opt.policy.exchange.send_bound is None
+    scale = 1.0 if local_bound is None else local_bound
     for group, params, index, units, exp_avgs, denoms in update_rows(opt)[0]:
         opt.policy.compression_update_(
             group, params, exp_avgs, denoms, [counts[i] for i in index],
-            bound=bound,
+            bound=[scale * u.step_bound() for u in units] if bounded else None,
             masters=([opt._master(p, opt.state[p]) for p in params]
                      if opt.config.master_weights else None),
             averaged=([u.averaged(p) for u, p in zip(units, params, strict=True)]

@@ -208,6 +208,12 @@ class MomentumUnit:
         """The fold over the denominator, clamped (:meth:`bound_`), in the fold buffer."""
         return self.bound_(self.fold(grads).materialize().div_(self.denom))
 
+    def step_bound(self) -> float:
+        """The clamp of a synchronous step's ``m_hat / denom`` on this unit (``bound_update``):
+        what it sends where it sends ``m / denom`` clamped (0/1 Adam's rows, at Adam's own
+        largest step, ``update.adam_step_bound``), else 1."""
+        return 1.0 if self.send_bound is None else self.send_bound
+
     def bound_(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (a momentum over the denominator) clamped to +-``send_bound``, in place; all
         NaN where some value is not finite, so that the communicator skips the step on every

@@ -154,9 +154,9 @@ class Policy:
     #: denominators follow the averaged gradients' scale (``follow_variance``); None: frozen
     follow: VarianceFollow | None = None
     #: where set, a tensor whose gradient is sparse in rows (``maths.sparse_rows``, read at
-    #: the freeze) gets momentum units of its own that send ``m / denom`` clamped at +-this
-    #: (:class:`OverDenominator`'s wire), the other units what :attr:`exchange` sends (0/1
-    #: Adam's ``sparse_rows``); None: every unit alike
+    #: the freeze) gets momentum units of its own that send ``m / denom`` clamped at
+    #: +-:meth:`sparse_bound` (:class:`OverDenominator`'s wire), the other units what
+    #: :attr:`exchange` sends (0/1 Adam's ``sparse_rows``); None: every unit alike
     sparse_rows_bound: float | None = None
     #: what the DDP hook notes of each local gradient it folds, for a variance each rank feeds
     #: with its own gradients (0/1 Adam's ``local_variance``: its ``note(grad, t)``); None
@@ -168,6 +168,11 @@ class Policy:
         self.warmup: StepExchange = GradientAverage(warmup_step)
         #: the compression stage's exchanges, by the word :meth:`exchange_at` says
         self.exchanges: dict[str, StepExchange] = {MOMENTUM: MomentumStep(exchange)}
+
+    def sparse_bound(self, group: dict) -> float | None:
+        """The clamp of a row-sparse tensor's ``m / denom`` in parameter group ``group``
+        (:attr:`sparse_rows_bound`), also its steps' bound (``MomentumUnit.step_bound``)."""
+        return self.sparse_rows_bound
 
     def step_exchange(self, t: int, total_steps: int | None, compressing: bool
                       ) -> StepExchange:

@@ -136,10 +136,18 @@ def frozen_denominator(exp_avg_sq: torch.Tensor, frozen_step: float, *, beta2: f
     return corrected_root(exp_avg_sq, frozen_step, beta2=beta2).add_(eps)
 
 
+def adam_step_bound(beta1: float, beta2: float) -> float:
+    """The largest ``|m_hat / sqrt(v_hat)|`` Adam takes on one gradient that comes after a
+    silence long enough for the momentum and the variance to have decayed: ``m = (1 - b1) g``
+    over ``sqrt(v) >= sqrt(1 - b2) |g|``, so ``(1 - b1) / sqrt(1 - b2)``, 3.16 at (0.9,
+    0.999). A rare embedding row's first step after a gap is of this size under Adam."""
+    return (1 - beta1) / (1 - beta2) ** 0.5
+
+
 def frozen_update_(
     params: list[torch.Tensor], exp_avgs: list[torch.Tensor], denoms: list[torch.Tensor],
     steps: list[float], *, lr: float, beta1: float, weight_decay: float, decoupled: bool,
-    bound: float | None = 1.0, masters: list[torch.Tensor | None] | None = None,
+    bound: float | list[float] | None = 1.0, masters: list[torch.Tensor | None] | None = None,
     averaged: list[torch.Tensor | Encoded] | None = None,
 ) -> None:
     """The compression-stage update of one parameter group: each parameter moves by
@@ -148,9 +156,10 @@ def frozen_update_(
     pass of the C kernel each (``kernels/cpu_update.c``, when it could be built); the others
     foreach ops (one kernel per operation for the whole group), with the same bits.
 
-    ``bound`` (None: no bound): the variance is taken as at least ``(m_hat / bound)**2``, so
-    each coordinate's ``m_hat / denom`` is clamped to +-``bound`` (``bound * lr`` per step; 1
-    for an averaged momentum, more for a local step's, ``onebit_plugin.members.local_steps``). A
+    ``bound`` (None: no bound; a list: one per parameter): the variance is taken as at least
+    ``(m_hat / bound)**2``, so each coordinate's ``m_hat / denom`` is clamped to +-``bound``
+    (``bound * lr`` per step; 1 for an averaged momentum, more for a local step's,
+    ``onebit_plugin.members.local_steps``, or a unit of rows, ``MomentumUnit.step_bound``). A
     second
     moment is never below the square of a mean of the same gradients (Jensen); a variance frozen
     before a coordinate's gradients grew (a rare embedding row, attention weights) breaks that,
@@ -167,6 +176,7 @@ def frozen_update_(
     decay = 1 - lr * weight_decay if weight_decay != 0 and decoupled else 1.0
     # |m_hat / denom| <= 1 is |m / denom| <= 1 - b1**step, before m's bias correction.
     corrections = [1 - beta1**step for step in steps]
+    bounds = bound if isinstance(bound, list) else [bound] * len(params)
     kernel = cpu_kernel()
     rows, rest = [], []
     if averaged is not None:
@@ -179,7 +189,7 @@ def frozen_update_(
             # One pass instead of the six below, the same bits (kernels/cpu_update.c); an
             # encoded average decoded as it is read (the fold buffer neither written nor read).
             rows.append((p, new, d, None if averaged is None else m, -(lr / corrections[i]),
-                         None if bound is None else corrections[i] * bound))
+                         None if bounds[i] is None else corrections[i] * bounds[i]))
             continue
         if encoded:
             averaged[i] = new.decoded()
@@ -193,12 +203,12 @@ def frozen_update_(
             torch._foreach_copy_([exp_avgs[i] for i in rest], work)
         _frozen_update_passes([p32[i] for i in rest], [exp_avgs[i] for i in rest],
                               [denoms[i] for i in rest], [corrections[i] for i in rest],
-                              lr=lr, decay=decay, bound=bound, work=work)
+                              lr=lr, decay=decay, bounds=[bounds[i] for i in rest], work=work)
     for param, p in zip(params, p32, strict=True):
         _write_back(param, p)
 
 
-def _frozen_update_passes(p32, exp_avgs, denoms, corrections, *, lr, decay, bound, work):
+def _frozen_update_passes(p32, exp_avgs, denoms, corrections, *, lr, decay, bounds, work):
     """The torch passes of :func:`frozen_update_` (GPU tensors, bf16 parameters without master
     copies, or no C compiler), multi-tensor: ``p *= decay``, ``r = m / d``, the clamp,
     ``r *= -lr / correction``, ``p += r``, each rounded once (not ``add_`` with ``alpha``,
@@ -211,11 +221,11 @@ def _frozen_update_passes(p32, exp_avgs, denoms, corrections, *, lr, decay, boun
         ratios = work
         torch._foreach_div_(ratios, denoms)
     # Parameters that share a step count (all of them, unless some had no gradient early on)
-    # share the bias correction: one clamp and one scaled add for them together.
-    by_correction: dict[float, list[int]] = {}
-    for i, correction in enumerate(corrections):
-        by_correction.setdefault(correction, []).append(i)
-    for correction, index in by_correction.items():
+    # and a bound share the clamp: one clamp and one scaled add for them together.
+    by_correction: dict[tuple[float, float | None], list[int]] = {}
+    for i, key in enumerate(zip(corrections, bounds, strict=True)):
+        by_correction.setdefault(key, []).append(i)
+    for (correction, bound), index in by_correction.items():
         these = [ratios[i] for i in index]
         if bound is not None:
             limit = correction * bound

@@ -24,7 +24,9 @@ and no pass per local step: one pass at the sync, whose rounding (an ulp of ``p`
 interval's movement) is far below the 1-bit compression's error. The units' 1-bit allreduce
 averages ``y``; every rank then takes it as the momentum and lands on
 
-    p = D * x - L * clamp(avg(y) / (denom * (1 - b1**t)), -1, 1)
+    p = D * x - L * clamp(avg(y) / (denom * (1 - b1**t)), -b, b)
+
+(``b``: 1, or a unit of row-sparse tensors' Adam's own largest step, ``MomentumUnit.step_bound``)
 
 computed from values that are the same on every rank, so that ranks are bit-identical after
 every sync. Weight decay is not in ``y``: ``D * x`` decays the common point as AdamW decays a
@@ -151,7 +153,7 @@ class LocalSteps:
                 if ok:  # m holds the average: the new momentum
                     ratio = torch.div(m, unit.view(p, unit.denom)).div_(corrections[p])
                     if bounded:
-                        ratio.clamp_(-1.0, 1.0)
+                        ratio.clamp_(-unit.step_bound(), unit.step_bound())
                     x.sub_(ratio.mul_(self.lr_sum[i]))
                 else:
                     m.zero_()

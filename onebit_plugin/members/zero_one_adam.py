@@ -39,6 +39,7 @@ from onebit_plugin.core.base import OneBitOptimizer
 from onebit_plugin.core.gradient_average import GradientAverage
 from onebit_plugin.core.policy import AdamPolicy, OneBitMomentum
 from onebit_plugin.maths.sparse_rows import SHARE
+from onebit_plugin.maths.update import adam_step_bound
 from onebit_plugin.members import local_steps
 from onebit_plugin.members import local_variance as local_variance_module
 from onebit_plugin.settings.config import FamilyOptions, check_hparams, member_config
@@ -85,10 +86,13 @@ class ZeroOnePolicy(AdamPolicy):
                  local_step_clipper: int, follow_variance: bool = False,
                  local_variance: bool = True, sparse_rows: bool = True):
         super().__init__(OneBitMomentum(), follow_variance=follow_variance)
-        # sparse_rows: clamped at 1, where 1-bit LAMB's wire clamps at 3 (OverDenominator).
-        # wire_probe's m / denom for the embeddings' units (3 seeds, 2,000 steps, against
-        # Adam): bow_topics -4.86% at 1 (the paper's m: +3.21%), word_embed -2.01% (-1.73%);
-        # m / denom for every unit cost char_mlp +2.08% at 1 and +1.94% at 3 (m: +0.47%).
+        # sparse_rows: wire_probe's m / denom for the embeddings' units (3 seeds, 2,000 steps,
+        # against Adam): bow_topics -4.86% clamped at 1 (the paper's m: +3.21%), word_embed
+        # -2.01% (-1.73%); m / denom for every unit cost char_mlp +2.08% at 1 and +1.94% at 3
+        # (m: +0.47%). The clamp is Adam's own largest step (sparse_bound), not 1: a rare
+        # row's first step after a gap is that size under Adam, and at 1 (in the send, the
+        # local steps and the landing) recsys_zipf's rows drawn once moved 0.03 where Adam's
+        # moved 0.38 (docs/benchmarks.md, "Long-tailed embeddings").
         self.sparse_rows_bound = 1.0 if sparse_rows else None
         # Refreshes average exactly, as the warm-up does; local steps send nothing, syncs
         # send through the momentum's communicator.
@@ -124,6 +128,11 @@ class ZeroOnePolicy(AdamPolicy):
             self._schedule = ZeroOneSchedule(freeze, self.var_update_scaler, scaler,
                                              self.local_step_clipper, total_steps)
         return self._schedule
+
+    def sparse_bound(self, group: dict) -> float | None:
+        if self.sparse_rows_bound is None:
+            return None
+        return adam_step_bound(*group["betas"])
 
     def exchange_at(self, t: int, total_steps: int | None) -> str:
         kind = self.schedule(total_steps).kind(t)
@@ -264,13 +273,16 @@ class ZeroOneAdam(OneBitOptimizer):
         sparse_rows: a tensor whose gradient is sparse in rows (an embedding's: half or more
             of the rows seen are zero in the last exact step's averaged gradient,
             ``onebit_plugin.maths.sparse_rows``) gets momentum units of its own that send
-            each rank's ``m / denom`` clamped at +-1 instead of ``m``, in phase A and at the
-            syncs (True, the default); False: every tensor sends ``m``, as the paper's.
+            each rank's ``m / denom`` clamped at +-``(1 - b1) / sqrt(1 - b2)`` (Adam's own
+            largest step on one gradient, 3.16 at the default betas, which also bounds those
+            units' steps) instead of ``m``, in phase A and at the syncs (True, the default);
+            False: every tensor sends ``m``, as the paper's.
 
     The family's options (``OneBitAdam``'s docstring): ``max_block``, ``scale``,
     ``mask_zero_variance``, ``masks``, ``process_group``, ``average_grads``, ``bound_update``
     (a sync moves the common point by at most ``lr`` per step, a local step a rank's by at
-    most ``sqrt(W) * lr``: ``onebit_plugin.members.local_steps.local_bound``),
+    most ``sqrt(W) * lr``: ``onebit_plugin.members.local_steps.local_bound``; ``lr`` times
+    ``(1 - b1) / sqrt(1 - b2)`` for the row-sparse tensors of ``sparse_rows``),
     ``comm_timeout``, ``bucket_cap_mb``, ``max_skipped_steps``, ``master_weights``,
     ``follow_variance`` (default **False** here: True makes the denominators follow each
     block's scale from each refresh on, updated at the syncs; not the default, see the
