@@ -320,10 +320,12 @@ class Accelerator(accelerate.Accelerator):
         opt = self._onebit_pending[0]
         say_at_exit_if_uncompressed(opt)
         settle_before_teardown()
+        changed = ", ".join(f"{k}={v!r}" for k, v in opt.changed_settings().items())
         self.print(f"onebit: {type(opt).__name__} on: it averages with the 1-bit hook "
                    f"(overlap={self.onebit_hook_state.overlap}, DDP gradient_as_bucket_view="
                    f"{self._onebit_models[0].gradient_as_bucket_view}); the momentum is "
-                   f"exchanged as 1-bit signs {_when(opt)}")
+                   f"exchanged as 1-bit signs {_when(opt)}; settings away from "
+                   f"{type(opt).__name__}'s defaults: {changed or 'none'}")
 
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):

@@ -288,7 +288,10 @@ def test_zero_one_adam_under_onebit_run_resumes_between_syncs_bitwise(tmp_path):
     the uninterrupted run bit for bit. (Accuracy: benchmarks/fidelity.py; this schedule, local
     intervals of 16 from step 21 of 30, is there to reach phase B at all.)"""
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    _launch(whole, ZERO_ONE)
+    said = _launch(whole, ZERO_ONE).stdout
+    # The launcher's line names the settings away from the member's own defaults: none here
+    # (0/1 Adam's follow_variance=False is its default, not a change).
+    assert "settings away from ZeroOneAdam's defaults: none" in said, said[-2000:]
     _launch(resumed, ZERO_ONE, "--save-at", "25", "--explicit-import", launcher=False)
     ranks = _ranks(whole)
     assert ranks[0]["optimizer"] == "ZeroOneAdam"

@@ -786,3 +786,17 @@ def test_a_nan_variance_at_the_freeze_masks_every_coordinate():
     opt.state[model.weight]["exp_avg_sq"][0, 0] = float("nan")
     (unit,) = opt.units
     assert bool(unit.masked.all())
+
+
+def test_changed_settings_name_what_differs_from_the_members_own_defaults():
+    """What a launcher's line names: the family's settings given away from the member's
+    defaults, 0/1 Adam's own default (``follow_variance=False``) counted as a default."""
+    params = [nn.Parameter(torch.zeros(3))]
+    assert OneBitAdam(params, freeze_step=5).changed_settings() == {}
+    assert OneBitAdam(params, freeze_step=5, warmup_bits=8,
+                      max_block=1024).changed_settings() == {"max_block": 1024, "warmup_bits": 8}
+    assert ZeroOneAdam(params, total_steps=100).changed_settings() == {}
+    assert ZeroOneAdam(params, total_steps=100, local_variance=False,
+                       follow_variance=True).changed_settings() == {"follow_variance": True}
+    assert OneBitLamb(params, freeze_step=5, bound_update=False).changed_settings() == {
+        "bound_update": False}

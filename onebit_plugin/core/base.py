@@ -18,6 +18,7 @@ hand-off with the DDP hook (``core.handoff``), clipping (``core.clipping``), ran
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from datetime import timedelta
@@ -71,6 +72,9 @@ class OneBitOptimizer(Optimizer):
         process_group: group to average over (default: the world, when initialised); FSDP2
             shards': the ranks holding this shard on other hosts (``comm.shards``).
     """
+
+    #: the family's settings (``OneBitConfig``'s fields) whose default this member changes
+    family_defaults: dict = {}
 
     def __init__(self, params, defaults: dict, config: OneBitConfig, policy: Policy, *,
                  masks: dict | None = None, process_group: dist.ProcessGroup | None = None):
@@ -233,6 +237,15 @@ class OneBitOptimizer(Optimizer):
     def total_steps(self) -> int | None:
         """The run's optimizer steps, when known (``total_steps``, or ``set_total_steps``)."""
         return self.run_length.total
+
+    def changed_settings(self) -> dict:
+        """The family's settings (``self.config``) away from this member's defaults, by name,
+        in the config's order: what a launcher's line names beside the member (``freeze_step``
+        and ``total_steps``, which it says apart, left out)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self.config)}
+        defaults.update(self.family_defaults)
+        return {name: value for name, value in dataclasses.asdict(self.config).items()
+                if name not in ("freeze_step", "total_steps") and value != defaults[name]}
 
     def set_total_steps(self, total_steps: int) -> None:
         """The run's length in optimizer steps, from whoever knows it (the integrations call

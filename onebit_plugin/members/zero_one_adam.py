@@ -286,8 +286,13 @@ class ZeroOneAdam(OneBitOptimizer):
     ``comm_timeout``, ``bucket_cap_mb``, ``max_skipped_steps``, ``master_weights``,
     ``follow_variance`` (default **False** here: True makes the denominators follow each
     block's scale from each refresh on, updated at the syncs; not the default, see the
-    comment in ``__init__``).
+    comment on ``family_defaults``).
     """
+
+    # follow_variance is off unless asked: measured on 2,000-step runs it helped char_mlp
+    # (+3.45% against Adam, +5.33% frozen) and cost bow_topics (+11.0%, +4.22% frozen;
+    # docs/benchmarks.md, "Wider workloads").
+    family_defaults = {"follow_variance": False}
 
     def __init__(
         self,
@@ -319,10 +324,8 @@ class ZeroOneAdam(OneBitOptimizer):
                              "refreshes alone move, block by block; local_variance=True (the "
                              "default) feeds every coordinate's from every step instead: pass "
                              "local_variance=False with follow_variance=True")
-        # follow_variance is off unless asked: measured on 2,000-step runs it helped
-        # char_mlp (+3.45% against Adam, +5.33% frozen) and cost bow_topics (+11.0%, +4.22%
-        # frozen; docs/benchmarks.md, "Wider workloads").
-        options.setdefault("follow_variance", False)
+        for name, value in self.family_defaults.items():
+            options.setdefault(name, value)
         # The base's exact stage: Adam until the refresh interval first doubles.
         config = member_config(
             type(self), exact_steps(var_freeze_step, var_update_scaler), options,
