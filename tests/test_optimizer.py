@@ -800,3 +800,26 @@ def test_changed_settings_name_what_differs_from_the_members_own_defaults():
                        follow_variance=True).changed_settings() == {"follow_variance": True}
     assert OneBitLamb(params, freeze_step=5, bound_update=False).changed_settings() == {
         "bound_update": False}
+
+
+def test_a_step_without_any_gradient_is_said_once():
+    """A step where no trainable parameter has a gradient (a wrapper that made new parameters
+    after the optimizer, other than fully_shard, which is refused: test_hsdp.py) is said once
+    per process, naming the likely cause; the parameters stay as they are."""
+    import logging
+
+    model = nn.Linear(3, 2)
+    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2)
+    before = [p.detach().clone() for p in model.parameters()]
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("onebit_plugin").addHandler(handler)
+    try:
+        for _ in range(3):
+            opt.step()
+    finally:
+        logging.getLogger("onebit_plugin").removeHandler(handler)
+    said = [r.getMessage() for r in records if "no gradient" in r.getMessage()]
+    assert len(said) == 1 and "after sharding" in said[0], said
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

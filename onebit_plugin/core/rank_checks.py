@@ -216,15 +216,24 @@ def check_gradients(opt, trainable: list[torch.Tensor]) -> None:
     """At each step of ``opt`` (a member of the family): sparse gradients refused; said once
     per process (``opt._said_no_gradient``), a step where none of the trainable parameters has
     a gradient. Most often the model's parameters were replaced after the optimizer was made:
-    ``fully_shard`` (FSDP2) or another wrapper that makes new parameters, so the optimizer
-    steps tensors no loss reaches."""
+    ``fully_shard`` (FSDP2), which marks the tensors it replaced (``_fsdp_orig_uid``): that is
+    a ``ValueError`` naming the fix; another wrapper that makes new parameters is said."""
     some = False  # one pass over the parameters: this runs every step
     for p in trainable:
         if p.grad is not None:
             some = True
             if p.grad.is_sparse:
                 raise ValueError(f"{type(opt).__name__} does not support sparse gradients")
-    if some or not trainable or getattr(opt, "_said_no_gradient", False):
+    if some or not trainable:
+        return
+    replaced = sum(hasattr(p, "_fsdp_orig_uid") for p in trainable)  # FSDP2 marks what it replaced
+    if replaced:
+        raise ValueError(
+            f"{type(opt).__name__} was made before fully_shard sharded the model: {replaced} of "
+            f"its {len(trainable)} parameters are tensors fully_shard replaced (no loss reaches "
+            "them, so the whole run would train nothing). Make the optimizer after sharding: "
+            "fully_shard(...) first, then the optimizer over model.parameters()")
+    if getattr(opt, "_said_no_gradient", False):
         return
     opt._said_no_gradient = True
     log.warning(
