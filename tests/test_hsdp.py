@@ -257,6 +257,9 @@ def test_what_cannot_be_stepped_is_refused_by_name():
             one = run[f"one host, {case}"]
             said_here = [m for m in one["said"] if "nothing crosses ranks" in m]
             assert len(said_here) == (1 if rank == 0 else 0), (case, one["said"])
+            # The fix for torch and for Lightning's strategy, both in the one line.
+            assert all("process_group=mesh['replicate'].get_group()" in m and
+                       "OneBitHSDPStrategy(shard_size=L)" in m for m in said_here), said_here
             assert not [m for m in one["said"] if "training ended" in m], one["said"]
             assert all(one["equal"]) and one["sent"] == 0 and one["stage"] == "warmup", case
 

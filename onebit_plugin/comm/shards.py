@@ -202,7 +202,10 @@ class Shards:
                     "on each shard whatever its freeze settings say, and sends nothing (FSDP2's "
                     "reduce-scatter is all the traffic). Compression needs replicas: hosts "
                     "along mesh['replicate'], fully_shard(module, mesh=mesh['shard']) and "
-                    "process_group=mesh['replicate'].get_group()", owner, len(shard_ranks))
+                    "process_group=mesh['replicate'].get_group(); under Lightning's "
+                    "strategy='onebit_hsdp' on one machine, shard over fewer ranks than the "
+                    "devices: strategy=OneBitHSDPStrategy(shard_size=L), L ranks per "
+                    "emulated host", owner, len(shard_ranks))
             self.alone = True
             return process_group if process_group is not None else _own_group()
         given = "the world (no process_group given)" if process_group is None else \
