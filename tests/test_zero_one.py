@@ -613,3 +613,49 @@ def test_the_launchers_line_says_a_run_too_short_for_local_steps():
         "steps up to 16)" in line(300)
     assert "full-precision refreshes of the variance, to step 241" in line(
         300, local_variance=False)
+
+
+# ------------------------------------------------------------------ a local step's inf/NaN
+def _nan_local_step_run(rank, world):
+    """0/1 Adam on 4 ranks over groups of 2 (global ranks 0 and 2, 1 and 3: HSDP's replicate
+    groups on 2 hosts of 2); global rank 3's gradient is NaN at the first local step: it skips
+    that step alone, said with its global rank; the next sync brings its group to one point."""
+    import logging
+
+    from onebit_plugin import check_lockstep
+
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    group = groups[rank % 2]
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("onebit_plugin").addHandler(handler)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=6, var_update_scaler=2,
+                      local_step_scaler=1, local_step_clipper=4, total_steps=16,
+                      process_group=group)
+    poisoned = None
+    for step in range(16):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        loss = nn.functional.mse_loss(model(torch.randn(8, 4, generator=g)),
+                                      torch.randn(8, 2, generator=g))
+        if poisoned is None and opt.coming_exchange == "local":
+            poisoned = step + 1
+            if rank == 3:
+                loss = loss * float("nan")
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    check_lockstep(model.parameters(), opt, group=group)  # the last step syncs the group
+    return poisoned, [r.getMessage() for r in records if "skipped" in r.getMessage()]
+
+
+def test_a_local_steps_nan_is_skipped_on_its_rank_alone_and_said_with_its_global_rank():
+    runs = run_ranks(_nan_local_step_run, 4)
+    step = runs[0][0]
+    assert step is not None and all(run[0] == step for run in runs)
+    assert [run[1] for run in runs[:3]] == [[], [], []]
+    assert runs[3][1] == [f"onebit: local step {step} skipped on rank 3 (rank 1 of the "
+                          "optimizer's process group): its gradient was inf or NaN (1 in a "
+                          "row)"], runs[3][1]

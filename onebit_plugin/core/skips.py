@@ -39,17 +39,21 @@ class Skips:
         """A step was applied on every rank: the streak ends."""
         self.streak = 0
 
-    def locally(self, step: int, rank: int, limit: int) -> None:
-        """Local step ``step`` is skipped on rank ``rank`` alone (its gradient was inf or NaN:
-        this rank does not move); a ``RuntimeError`` at ``limit`` in a row."""
+    def locally(self, step: int, rank: int, limit: int, group_rank: int | None = None) -> None:
+        """Local step ``step`` is skipped on global rank ``rank`` alone (its gradient was inf
+        or NaN: this rank does not move); a ``RuntimeError`` at ``limit`` in a row.
+        ``group_rank``: its rank in the optimizer's group, said where it differs (HSDP's
+        replicate group)."""
         self.local_streak += 1
-        log.warning("onebit: local step %d skipped on rank %d: its gradient was inf or NaN "
-                    "(%d in a row)", step, rank, self.local_streak)
+        where = f"rank {rank}" if group_rank in (None, rank) else \
+            f"rank {rank} (rank {group_rank} of the optimizer's process group)"
+        log.warning("onebit: local step %d skipped on %s: its gradient was inf or NaN "
+                    "(%d in a row)", step, where, self.local_streak)
         if self.local_streak >= limit:
             raise RuntimeError(
-                f"onebit: {self.local_streak} local steps in a row were skipped on rank "
-                f"{rank} for inf/NaN gradients: lower the learning rate, clip gradients "
-                "or check the data; max_skipped_steps sets this limit")
+                f"onebit: {self.local_streak} local steps in a row were skipped on {where} "
+                "for inf/NaN gradients: lower the learning rate, clip gradients or check the "
+                "data; max_skipped_steps sets this limit")
 
     def stepped_locally(self) -> None:
         self.local_streak = 0

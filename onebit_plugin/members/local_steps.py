@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 
 from onebit_plugin.comm.byte_counts import ring_bytes
 from onebit_plugin.comm.collectives import all_finite
@@ -246,7 +247,8 @@ def take_step(opt, sync: bool) -> None:
             notes = {p: own.note(g, opt.global_step, sample=sync)
                      for p, g in grads.items() if g is not None}
     else:
-        opt.skips.locally(opt.global_step, opt.topology.rank, opt.config.max_skipped_steps)
+        opt.skips.locally(opt.global_step, dist.get_rank() if dist.is_initialized() else 0,
+                          opt.config.max_skipped_steps, group_rank=opt.topology.rank)
     if own is not None:  # a step this rank skipped folds a zero gradient: the counts agree
         local_variance.fold_(opt, notes)
     opt.policy.local.advance(opt.param_groups)
