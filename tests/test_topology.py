@@ -190,6 +190,17 @@ def _layout_errors(rank, world):
     except ValueError as exc:
         assert "LOCAL_WORLD_SIZE=3 does not divide the 4 ranks into hosts of one size" in \
             str(exc)
+    else:
+        return None
+    # One host of 4 (torchrun --nproc_per_node 4 sets LOCAL_WORLD_SIZE=4 whatever was given):
+    # the error says where the number came from and how to lay one machine out as hosts.
+    os.environ["LOCAL_WORLD_SIZE"] = "4"
+    opt = OneBitAdam([param], lr=0.1, freeze_step=2, topology="hierarchical")
+    try:
+        opt.step()
+    except ValueError as exc:
+        assert "1 host(s) of 4 rank(s) (LOCAL_WORLD_SIZE=4)" in str(exc), str(exc)
+        assert "pass local_world_size=L" in str(exc) and "--nproc_per_node" in str(exc)
         return str(exc)
     return None
 
