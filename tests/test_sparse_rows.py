@@ -97,12 +97,13 @@ def _wire_run(rank, world, sparse):
         opt.step()
     comm.reduce_ = real
     return ({n: opt.state[p].get(SHARE) for n, p in model.named_parameters()},
-            [(u.momentum.numel(), u.send_bound) for u in opt.units], handed, expected)
+            [(u.momentum.numel(), u.send_bound) for u in opt.units], handed,
+            expected), opt.switch_message()
 
 
 @pytest.mark.parametrize("sparse", [True, False], ids=["sparse-rows", "paper-wire"])
 def test_the_freeze_gives_a_row_sparse_tensor_a_unit_that_sends_m_over_denom(sparse):
-    (read, units, handed, expected), _ = run_ranks(_wire_run, 2, sparse)
+    ((read, units, handed, expected), said), _ = run_ranks(_wire_run, 2, sparse)
     dense = 8 * 16 + 16 + 16 * 4 + 4
     assert set(handed) == {"momentum", "refresh", "sync"}
     if not sparse:
@@ -111,6 +112,8 @@ def test_the_freeze_gives_a_row_sparse_tensor_a_unit_that_sends_m_over_denom(spa
         assert handed["momentum"] is handed["refresh"] is None  # the fold itself, sent as m
         assert handed["sync"].abs().max() < 0.1  # what moved, as a momentum
         return
+    # The switch line names the rows' clamp as it is.
+    assert "as m / denom clamped at Adam's own largest step, +-3.16: sparse_rows" in said, said
     assert read["words.weight"] >= ROW_SPARSE_SHARE  # 2 x 96 ids a step over 2,000 rows
     assert read["body.0.weight"] == read["body.2.weight"] == 0.0
     assert read["body.0.bias"] is None  # one dimension: no rows

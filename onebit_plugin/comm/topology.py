@@ -156,10 +156,11 @@ class HierarchicalTopology(FlatTopology):
             if self.wanted == "hierarchical":
                 problem = (f"{world // local} host(s) of {local} rank(s) ({where}={local}): "
                            "hierarchical needs more than one host and more than one rank "
-                           "per host. To lay one machine out as hosts, pass "
-                           "local_world_size=L (L ranks per emulated host) to the optimizer: "
-                           "torchrun sets LOCAL_WORLD_SIZE to its --nproc_per_node, over "
-                           "any value given in the environment")
+                           "per host, so 4 ranks or more. To lay one machine out as hosts, "
+                           "pass local_world_size=L (L ranks per emulated host, 1 < L < the "
+                           "world size, dividing it) to the optimizer: torchrun sets "
+                           "LOCAL_WORLD_SIZE to its --nproc_per_node, over any value given "
+                           "in the environment")
             else:
                 return 0, 0  # auto: one level has nothing to gain, and costs nothing
         if problem is not None:

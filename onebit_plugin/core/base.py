@@ -82,6 +82,7 @@ class OneBitOptimizer(Optimizer):
         params, self.shards = localize(params)
         super().__init__(params, defaults)
         self.config, self.policy = config, policy
+        self._given = config  # as made: the DDP hook and the strategies replace some of it
         process_group, topology = exchange_group(self.shards, process_group, config.topology,
                                                  type(self).__name__, policy)
         self.topology = make_topology(process_group, topology, config.local_world_size)
@@ -239,12 +240,14 @@ class OneBitOptimizer(Optimizer):
         return self.run_length.total
 
     def changed_settings(self) -> dict:
-        """The family's settings (``self.config``) away from this member's defaults, by name,
-        in the config's order: what a launcher's line names beside the member (``freeze_step``
-        and ``total_steps``, which it says apart, left out)."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self.config)}
+        """The family's settings as this optimizer was made with them, away from this
+        member's defaults, by name, in the config's order: what a launcher's line names beside
+        the member (``freeze_step`` and ``total_steps``, which it says apart, left out; what
+        the DDP hook sets itself, ``average_grads=False`` and an integration's
+        ``comm_timeout``, is not the user's)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self._given)}
         defaults.update(self.family_defaults)
-        return {name: value for name, value in dataclasses.asdict(self.config).items()
+        return {name: value for name, value in dataclasses.asdict(self._given).items()
                 if name not in ("freeze_step", "total_steps") and value != defaults[name]}
 
     def set_total_steps(self, total_steps: int) -> None:

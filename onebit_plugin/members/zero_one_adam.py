@@ -387,7 +387,8 @@ class ZeroOneAdam(OneBitOptimizer):
         if not shapes or self.world_size < 2:
             return ""
         return (f" (the {len(shapes)} tensor(s) whose gradients are sparse in rows, of shapes "
-                f"{', '.join(map(str, shapes))}, as m / denom clamped at +-1: sparse_rows)")
+                f"{', '.join(map(str, shapes))}, as m / denom clamped at Adam's own largest "
+                f"step, +-{self.policy.sparse_bound(self.param_groups[0]):.2f}: sparse_rows)")
 
     # ------------------------------------------------------------------------------ progress
     @property
