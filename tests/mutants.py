@@ -163,7 +163,7 @@ MUTANTS = [
        "tests/test_ddp_hook.py::test_the_last_buckets_hook_returns_after_every_unit_is_averaged"),
     # The C update pass (the CPU default) gets the bound as this argument.
     _m("unbounded-steps", "row: bounded steps", "onebit_plugin/maths/update.py",
-       "None if bound is None else corrections[i] * bound))", "None))",
+       "None if bounds[i] is None else corrections[i] * bounds[i]))", "None))",
        "tests/test_bounded_steps.py::test_a_rarely_seen_coordinate_moves_at_most_lr_per_step"),
     _m("auto-ceiling-25", "row: freeze_step='auto'", "onebit_plugin/maths/freeze.py",
        "CEILING = 0.20", "CEILING = 0.25",
@@ -378,8 +378,8 @@ MUTANTS = [
        "            pass\n",
        "tests/test_clipping.py::test_every_path_clips_to_the_same_bits"),
     _m("key-bias-not-masked", "row: a gradient zero up to rounding is masked", MASKS,
-       "            torch.ge(piece, e + negligible, out=out)\n",
-       "            torch.ge(piece, e, out=out)\n",
+       "        return torch.ge(denom, eps + negligible, out=out)\n",
+       "        return torch.ge(denom, eps, out=out)\n",
        "tests/test_optimizer.py::test_attention_key_bias_moves_no_more_than_under_adam"),
     # 0/1 Adam (issue 29)
     _m("zero-one-refresh-counted-as-one-step", "row: 0/1 Adam's phase A", POLICY,

@@ -206,7 +206,7 @@ def test_the_update_pass_equals_the_torch_passes(bounded, decay):
     assert torch.equal(alone, fused[3])
     passes = [p.clone() for p in params]
     _frozen_update_passes(passes, moms, denoms, corrections, lr=lr, decay=decay,
-                          bound=1.0 if bounded else None, work=None)
+                          bounds=[1.0 if bounded else None] * len(passes), work=None)
     clamped = sum(int(((m / d).abs() > c).sum())
                   for m, d, c in zip(moms, denoms, corrections, strict=True))
     assert clamped > 1000  # the clamp acts on many values

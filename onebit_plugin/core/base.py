@@ -18,8 +18,6 @@ hand-off with the DDP hook (``core.handoff``), clipping (``core.clipping``), ran
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -44,16 +42,14 @@ from onebit_plugin.core.momentum import (
     partition,
 )
 from onebit_plugin.core.policy import Policy
-from onebit_plugin.core.run_length import RunLength
+from onebit_plugin.core.run_length import RunLength, say_ended_apart
 from onebit_plugin.core.skips import Skips
 from onebit_plugin.maths.freeze import AutoFreeze
 from onebit_plugin.maths.masks import checked_masks
-from onebit_plugin.settings.config import OneBitConfig
+from onebit_plugin.settings.config import OneBitConfig, changed
 from onebit_plugin.wire.deferred import as_fp32
 
 __all__ = ["COMPRESSION", "DEFAULT_UNIT_MB", "WARMUP", "OneBitOptimizer"]
-
-log = logging.getLogger("onebit_plugin")
 
 WARMUP = "warmup"
 COMPRESSION = "compression"
@@ -240,15 +236,9 @@ class OneBitOptimizer(Optimizer):
         return self.run_length.total
 
     def changed_settings(self) -> dict:
-        """The family's settings as this optimizer was made with them, away from this
-        member's defaults, by name, in the config's order: what a launcher's line names beside
-        the member (``freeze_step`` and ``total_steps``, which it says apart, left out; what
-        the DDP hook sets itself, ``average_grads=False`` and an integration's
-        ``comm_timeout``, is not the user's)."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self._given)}
-        defaults.update(self.family_defaults)
-        return {name: value for name, value in dataclasses.asdict(self._given).items()
-                if name not in ("freeze_step", "total_steps") and value != defaults[name]}
+        """The family's settings as this optimizer was made with them, away from this member's
+        defaults (``settings.config.changed``): what a launcher's line names."""
+        return changed(self._given, self.family_defaults)
 
     def set_total_steps(self, total_steps: int) -> None:
         """The run's length in optimizer steps, from whoever knows it (the integrations call
@@ -278,15 +268,7 @@ class OneBitOptimizer(Optimizer):
                                   and self.shards.alone, self._rank)
         if self.between_syncs and not self._said_apart:
             self._said_apart = True
-            log.warning(
-                "onebit: training ended %d local steps after the last sync: every rank holds "
-                "parameters of its own, and what rank 0 saves or evaluates is rank 0's alone. "
-                "%s, or call optimizer.sync_local_steps() on every rank before saving",
-                self.policy.apart(self),
-                "Give the optimizer the run's length (total_steps=, ONEBIT_TOTAL_STEPS or "
-                "onebit-run --total-steps) so that the last step syncs" if self.total_steps
-                is None else f"The run stopped before the total_steps={self.total_steps} "
-                "the optimizer was given, whose last step syncs")
+            say_ended_apart(self.policy.apart(self), self.total_steps)
 
     @torch.no_grad()
     def sync_local_steps(self) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["RunLength"]
+__all__ = ["RunLength", "say_ended_apart"]
 
 log = logging.getLogger("onebit_plugin")
 
@@ -53,3 +53,16 @@ class RunLength:
                         "uncompressed warm-up (freeze_step=%s): nothing was compressed. A "
                         "freeze_step of 15-25%% of the run's steps (or 'auto' with the run's "
                         "length) compresses the rest", steps, freeze_step)
+
+
+def say_ended_apart(apart: int, total_steps: int | None) -> None:
+    """Training ended ``apart`` local steps after the last sync (every rank's parameters its
+    own): said on every rank, with what would have synced them."""
+    log.warning(
+        "onebit: training ended %d local steps after the last sync: every rank holds "
+        "parameters of its own, and what rank 0 saves or evaluates is rank 0's alone. "
+        "%s, or call optimizer.sync_local_steps() on every rank before saving", apart,
+        "Give the optimizer the run's length (total_steps=, ONEBIT_TOTAL_STEPS or "
+        "onebit-run --total-steps) so that the last step syncs" if total_steps
+        is None else f"The run stopped before the total_steps={total_steps} "
+        "the optimizer was given, whose last step syncs")

@@ -22,7 +22,7 @@ from onebit_plugin.settings.registry import member_named
 from onebit_plugin.settings.schedule import exact_steps
 
 __all__ = ["EnvSettings", "FamilyOptions", "OneBitConfig", "check_hparams", "check_settings",
-           "flag", "member_config", "settings_from_env"]
+           "changed", "flag", "member_config", "settings_from_env"]
 
 SCALE_RULES = ("rms", "mean")
 ERROR_DTYPES = ("float32", "bfloat16")
@@ -87,6 +87,17 @@ def check_settings(values: dict, variables: dict | None = None) -> None:
             if variables and name in variables:
                 raise ValueError(f"{variables[name]} must be {as_variable}, got {value!r}")
             raise ValueError(f"{name} must be {as_argument}, got {value!r}")
+
+
+def changed(config: OneBitConfig, member_defaults: dict) -> dict:
+    """``config``'s fields away from their defaults (``member_defaults`` overriding
+    ``OneBitConfig``'s, a member's own), by name, in field order; ``freeze_step`` and
+    ``total_steps``, which a launcher's line says apart, left out. Give the config as the
+    optimizer was made: the DDP hook sets ``average_grads=False`` and an integration's
+    ``comm_timeout`` itself."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)} | member_defaults
+    return {name: value for name, value in dataclasses.asdict(config).items()
+            if name not in ("freeze_step", "total_steps") and value != defaults[name]}
 
 
 @dataclass(frozen=True)
