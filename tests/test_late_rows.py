@@ -52,7 +52,13 @@ def _members(topology):
     return {"onebit_adam": lambda ps: OneBitAdam(ps, lr=1e-2, freeze_step=FREEZE,
                                                  topology=topology),
             "onebit_lamb": lambda ps: OneBitLamb(ps, lr=1e-2, freeze_step=FREEZE,
-                                                 topology=topology)}
+                                                 topology=topology),
+            # Exact to step 6, phase A to 13 (refreshes at 8, 10, 12), syncs every step to 20,
+            # then local steps between syncs every 2 and 4 steps: rows wake in both phases.
+            "zero_one_adam": lambda ps: ZeroOneAdam(ps, lr=1e-2, var_update_scaler=FREEZE,
+                                                    var_freeze_step=12, local_step_scaler=6,
+                                                    local_step_clipper=4, total_steps=30,
+                                                    topology=topology)}
 
 
 def _train(rank, world, member, hook, steps, save=None, load=None, topology="flat"):
@@ -66,18 +72,19 @@ def _train(rank, world, member, hook, steps, save=None, load=None, topology="fla
     if hook:
         register_onebit_hook(net, opt)
     begin = resume(load, rank, model, opt)
-    after, moved = [], torch.zeros(ROWS, dtype=torch.bool)
+    after, apart, moved = [], [], torch.zeros(ROWS, dtype=torch.bool)
     for step in range(begin, steps):
         opt.zero_grad()
         _loss(net, step, rank).backward()
         opt.step()
         after.append([p.detach().clone() for p in model.parameters()])
+        apart.append(opt.policy.apart(opt))  # 0/1 Adam's local steps since the last sync
         # Moved at some step: 1-bit Adam's sign noise may bring a rare row back to its start.
         moved |= model.emb.weight.detach().ne(start_rows).any(1)
         if save is not None and step + 1 == save[1]:
             save_for_resume(save[0], rank, model, opt, step + 1)
     unit = opt.unit_of(model.emb.weight)
-    return {"after": after, "moved": moved,
+    return {"after": after, "apart": apart, "moved": moved,
             "asleep": 0 if unit.late is None else unit.late.asleep(),
             "topology": opt.topology.describe()}
 
@@ -96,15 +103,19 @@ def _late_and_drawn(steps: int, world: int) -> tuple[torch.Tensor, torch.Tensor]
     return late, drawn
 
 
-@pytest.mark.parametrize("member", ["onebit_adam", "onebit_lamb"])
+@pytest.mark.parametrize("member", ["onebit_adam", "onebit_lamb", "zero_one_adam"])
 def test_rows_first_drawn_after_the_freeze_train_alike_on_every_rank_and_path(member):
     steps = 30
     plain = run_ranks(_train, 2, member, False, steps)
     hooked = run_ranks(_train, 2, member, True, steps)
     for step in range(steps):
-        assert_ranks_identical([r["after"][step] for r in plain], f"after step {step + 1}")
-        assert_ranks_identical([plain[0]["after"][step], hooked[0]["after"][step]],
-                               f"the hook against step() after step {step + 1}")
+        if not plain[0]["apart"][step]:  # every step but 0/1 Adam's local steps
+            assert_ranks_identical([r["after"][step] for r in plain], f"after step {step + 1}")
+        for rank in range(2):
+            assert_ranks_identical([plain[rank]["after"][step], hooked[rank]["after"][step]],
+                                   f"the hook against step() on rank {rank} after step "
+                                   f"{step + 1}")
+    assert sum(map(bool, plain[0]["apart"])) == (6 if member == "zero_one_adam" else 0)
     late, drawn = _late_and_drawn(steps, 2)
     assert int(late.sum()) > 100 and bool(late[ONLY_RANK1])
     moved = plain[0]["moved"]
@@ -125,12 +136,15 @@ def test_rows_wake_alike_over_two_levels():
     assert bool(runs[0]["moved"][late].all())
 
 
-def test_a_resume_across_wakes_is_bit_for_bit(tmp_path):
-    steps, cut = 26, 15
-    whole = run_ranks(_train, 2, "onebit_adam", False, steps)
+@pytest.mark.parametrize(("member", "cut"), [("onebit_adam", 15), ("zero_one_adam", 23)])
+def test_a_resume_across_wakes_is_bit_for_bit(tmp_path, member, cut):
+    """0/1 Adam's cut falls between syncs (after the local step 23), rows woken in both
+    phases before it and after it."""
+    steps = 26
+    whole = run_ranks(_train, 2, member, False, steps)
     path = str(tmp_path / "ckpt")
-    run_ranks(_train, 2, "onebit_adam", False, cut, (path, cut))
-    again = run_ranks(_train, 2, "onebit_adam", False, steps, None, path)
+    run_ranks(_train, 2, member, False, cut, (path, cut))
+    again = run_ranks(_train, 2, member, False, steps, None, path)
     assert whole[0]["asleep"] == again[0]["asleep"] > 0
     for rank in range(2):
         for a, b in zip(whole[rank]["after"][-1], again[rank]["after"][-1], strict=True):
@@ -185,9 +199,42 @@ def test_coordinates_joining_leave_the_plan_as_a_rebuild_from_the_new_mask_would
             assert torch.equal(mine.dropped, theirs.dropped)
 
 
-def test_members_that_keep_the_variance_wake_rows_at_their_refreshes_instead():
+def test_zero_one_adams_rows_wake_between_its_variance_averages():
+    """0/1 Adam (its default ``local_variance``) remakes the mask at every variance average;
+    a row first drawn between averages (here in phase B, before its first average at step
+    128) wakes at its first gradient, as under 1-bit Adam, and its local steps move it."""
+    torch.manual_seed(0)
     emb = nn.Embedding(10, 4)
-    opt = ZeroOneAdam(emb.parameters(), lr=1e-2, var_freeze_step=4, total_steps=20)
+    opt = ZeroOneAdam(emb.parameters(), lr=1e-2, var_update_scaler=2, var_freeze_step=4,
+                      local_step_scaler=1, local_step_clipper=2, total_steps=20)
+    b1, b2 = 0.9, 0.999
+    for step in range(11):
+        opt.zero_grad()
+        emb(torch.tensor([0, 1]) if step < 10 else torch.tensor([0, 7])).pow(2).sum().backward()
+        g7 = emb.weight.grad[7].clone()
+        opt.step()
+    assert opt.policy.schedule(20).phase(11) == "B"
+    unit = opt.unit_of(emb.weight)
+    root = g7.abs() * math.sqrt((1 - b2) / (1 - b2**11))
+    assert torch.allclose(unit.view(emb.weight, unit.denom)[7], root + 1e-8, rtol=1e-6)
+    assert torch.allclose(opt.state[emb.weight]["exp_avg"][7], (1 - b1) * g7, rtol=1e-6)
+    assert not bool(unit.view(emb.weight, unit.masked)[7].any())
+    assert unit.late.asleep() == 7  # rows 2-6, 8, 9
+    moved = emb.weight[7].detach().clone()
+    opt.zero_grad()
+    emb(torch.tensor([0])).pow(2).sum().backward()
+    opt.step()
+    assert not torch.equal(emb.weight[7], moved)
+
+
+@pytest.mark.parametrize("member", ["paper_zero_one", "refreshing_onebit"])
+def test_members_that_refresh_from_exact_averages_wake_rows_at_their_refreshes_instead(member):
+    """Their variance moves at a refresh alone, by the exactly averaged gradient: a row woken
+    between refreshes would hold no variance at the next, which would mask it again."""
+    emb = nn.Embedding(10, 4)
+    opt = (ZeroOneAdam(emb.parameters(), lr=1e-2, var_freeze_step=4, total_steps=20,
+                       local_variance=False) if member == "paper_zero_one" else
+           OneBitAdam(emb.parameters(), lr=1e-2, freeze_step=3, refresh_interval=4))
     for _ in range(6):
         opt.zero_grad()
         emb(torch.tensor([0, 1])).pow(2).sum().backward()

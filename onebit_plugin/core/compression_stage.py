@@ -24,7 +24,7 @@ from onebit_plugin.maths.sparse_rows import ROW_SPARSE_SHARE, SHARE
 from onebit_plugin.wire.dispatch import cpu_kernel
 
 __all__ = ["UnitLayout", "build_units", "count_step", "frozen_update", "momentum_step",
-           "refresh_step", "settle_units", "sparse_rows", "update_rows", "wake_late_rows"]
+           "refresh_step", "remask", "settle_units", "sparse_rows", "update_rows", "wake_late_rows"]
 
 log = logging.getLogger("onebit_plugin")
 
@@ -65,7 +65,7 @@ def build_units(opt) -> UnitLayout:
         spare = None
     sparse = sparse_rows(opt)
     parts = partition(opt.trainable(), cap, sparse)
-    wakes = opt.config.mask_zero_variance and not opt.policy.keeps_variance
+    wakes = _wakes(opt)
     groups = {p: g for g in opt.param_groups for p in g["params"]}
     units, negligible = build(
         parts, opt.state, groups, opt._masks, opt.config.mask_zero_variance, opt.communicator,
@@ -85,6 +85,31 @@ def build_units(opt) -> UnitLayout:
     return UnitLayout(units, {p: u for u in units for p in u.params}, steps,
                       {p: i for i, p in enumerate(trainable)}, cap,
                       mask_floor=negligible if wakes else None)
+
+
+def _wakes(opt) -> bool:
+    """Whether rows asleep since the freeze (or since a refresh) wake at their first gradient
+    (``maths.late_rows``): under the zero-variance mask, for a member whose variance is frozen
+    and for one whose every rank folds its own gradients into its own variance between
+    refreshes (0/1 Adam's ``local_variance``: a woken row's variance is in every rank's at the
+    next average). Not for one that refreshes from exactly averaged gradients alone (0/1 Adam's
+    ``local_variance=False``, 1-bit Adam's ``refresh_interval``): a row woken between its
+    refreshes would hold no variance at the next one, which masks it again."""
+    return opt.config.mask_zero_variance and (
+        not opt.policy.keeps_variance or opt.policy.local_variance is not None)
+
+
+def remask(opt) -> None:
+    """After the variances changed (a refresh, a variance average): every unit's denominators
+    and mask from them, and where rows wake, each unit's asleep rows found again from the new
+    mask, with the new negligible root (the root a checkpoint saves and a resume masks by)."""
+    negligible = refresh_denominators(opt.units, opt.state,
+                                      {p: g for g in opt.param_groups for p in g["params"]},
+                                      opt._masks, opt.config.mask_zero_variance)
+    if opt.layout.mask_floor is not None:
+        opt.layout.mask_floor = negligible
+        for unit in opt.units:
+            unit.late = LateRows.of(unit, negligible, opt._masks)
 
 
 def sparse_rows(opt) -> frozenset:
@@ -265,9 +290,7 @@ def refresh_step(opt) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         opt.policy.refresh_moments_(group, params, grads, [opt.state[p] for p in params],
                                     exp_avgs)
-    refresh_denominators(opt.units, opt.state,
-                         {p: g for g in opt.param_groups for p in g["params"]},
-                         opt._masks, opt.config.mask_zero_variance)
+    remask(opt)
     counts = count_step(opt)
     if opt.policy.follow is not None:  # the refreshed denominators' reference
         variance_follow.follow_(opt, variance_follow.summaries(opt, exact=True), local=False,

@@ -377,10 +377,11 @@ def build_units(parts: list[list[torch.Tensor]], state, groups: dict, masks: dic
 
 
 def refresh_denominators(units: list[MomentumUnit], state, groups: dict, masks: dict,
-                         mask_zero_variance: bool) -> None:
+                         mask_zero_variance: bool) -> float:
     """After the variances changed (a refresh step of 0/1 Adam): every unit's denominator from
     them, in place, and its mask again (a coordinate whose variance was zero may have a gradient
-    now, or the other way round); the same on every rank, from the same averaged gradients."""
+    now, or the other way round); the same on every rank, from the same averaged gradients.
+    Returns the root below which a coordinate is masked now."""
     for unit in units:
         _roots_into(unit.params, state, groups, unit.denom)
         _add_eps_(unit.params, groups, unit.denom)
@@ -389,6 +390,7 @@ def refresh_denominators(units: list[MomentumUnit], state, groups: dict, masks: 
         unit.remask_(keep_mask(unit.params, unit.denom,
                                [groups[p]["eps"] for p in unit.params], negligible,
                                mask_zero_variance, masks))
+    return negligible
 
 
 def update_rows(param_groups: list[dict], unit_of: dict, step_index: dict,

@@ -95,6 +95,8 @@ class LocalSteps:
                                decoupled=hyper["decoupled_weight_decay"], out=m)
             if unit.masked is not None:
                 unit.momentum.masked_fill_(unit.masked, 0.0)
+            if unit.late is not None:  # which asleep rows this gradient touches
+                unit.late.note({p: grads.get(p) for p in unit.params})
 
     def advance(self, groups: list[dict]) -> None:
         """One local step was taken (or skipped on this rank: the others took it) with each
@@ -249,18 +251,25 @@ def take_step(opt, sync: bool) -> None:
     else:
         opt.skips.locally(opt.global_step, dist.get_rank() if dist.is_initialized() else 0,
                           opt.config.max_skipped_steps, group_rank=opt.topology.rank)
+        for unit in units:  # this rank's gradient wakes nothing: the others' may
+            unit.late is not None and unit.late.forget()
     if own is not None:  # a step this rank skipped folds a zero gradient: the counts agree
         local_variance.fold_(opt, notes)
     opt.policy.local.advance(opt.param_groups)
     # What DDP with Adam would have sent for this step, for compression_ratio.
     opt.counts.add_exact(0, ring_bytes(4 * sum(p.numel() for p in trainable),
                                        opt.world_size) if not sync else 0)
+    refresh = sync and own is not None and local_variance.due_at_sync(opt.global_step,
+                                                                      opt.policy.local.steps)
     if sync:
-        refresh = own is not None and local_variance.due_at_sync(opt.global_step,
-                                                                 opt.policy.local.steps)
         if own is not None:
             local_variance.sample_(opt, notes)
         sync_ranks(opt, corrections(opt, counts))
+    if opt.layout.mask_floor is not None:
+        # Every rank, at every local step while some unit has asleep rows (a collective); at
+        # a sync after the landing, which rebuilds the momenta: a woken row keeps its own.
+        compression_stage.wake_late_rows(opt, None)
+    if sync:
         if refresh:  # after the landing: the next interval's steps divide by the average
             local_variance.average_(opt)
         if sketches is not None:  # after the landing: the interval's steps used one scale

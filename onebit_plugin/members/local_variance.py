@@ -43,7 +43,7 @@ import torch
 from onebit_plugin.comm.quantized import QuantizedAverage
 from onebit_plugin.core import compression_stage
 from onebit_plugin.core.exchanges import MomentumStep
-from onebit_plugin.core.momentum import back_to_back, refresh_denominators
+from onebit_plugin.core.momentum import back_to_back
 from onebit_plugin.core.variance_follow import (
     WIDTH,
     VarianceFollow,
@@ -216,9 +216,7 @@ def average_(opt) -> None:
             for v, piece in zip(variances, flat.split([v.numel() for v in variances]),
                                 strict=True):
                 v.copy_(piece.view_as(v))
-    refresh_denominators(opt.units, opt.state,
-                         {p: g for g in opt.param_groups for p in g["params"]},
-                         opt._masks, opt.config.mask_zero_variance)
+    compression_stage.remask(opt)
 
 
 def due_at_sync(t: int, since: int) -> bool:
