@@ -266,6 +266,18 @@ MUTANTS = [
        "            states = [own_rank_state(state, 0, self.world_size)",
        "tests/test_lightning.py::"
        "test_rank_zero_exits_when_its_peer_hangs_and_fit_resumes_from_last"),
+    _m("late-rows-never-wake", "row: rows seen late", "onebit_plugin/core/compression_stage.py",
+       "    return opt.config.mask_zero_variance and (",
+       "    return False and opt.config.mask_zero_variance and (",
+       "tests/test_late_rows.py::"
+       "test_rows_first_drawn_after_the_freeze_train_alike_on_every_rank_and_path",
+       "tests/test_late_rows.py::test_zero_one_adams_rows_wake_between_its_variance_averages"),
+    _m("local-steps-note-no-late-rows", "row: rows seen late (0/1 Adam's phase B)",
+       "onebit_plugin/members/local_steps.py",
+       "                unit.late.note({p: grads.get(p) for p in unit.params})",
+       "                unit.late.forget()",
+       "tests/test_late_rows.py::test_zero_one_adams_rows_wake_between_its_variance_averages",
+       "tests/test_hsdp.py::test_rows_first_drawn_after_the_freeze_wake_on_each_shard"),
     _m("streak-one-late", "row: no silent stall", "onebit_plugin/core/skips.py",
        "        if self.streak >= limit:", "        if self.streak > limit:",
        "tests/test_nonfinite.py::"

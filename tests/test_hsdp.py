@@ -582,7 +582,7 @@ class _Late(nn.Module):
         return self.head(self.emb(ids)).squeeze(1)
 
 
-def _late_rows_run(rank, world):
+def _late_rows_run(rank, world, member="onebit_adam"):
     from torch.distributed.fsdp import fully_shard
 
     mesh = _mesh()
@@ -591,8 +591,13 @@ def _late_rows_run(rank, world):
     start = model.emb.weight.detach().clone()
     for part in (model.emb, model.head, model):
         fully_shard(part, mesh=mesh["shard"])
-    opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=4,
-                     process_group=mesh["replicate"].get_group())
+    group = mesh["replicate"].get_group()
+    if member == "onebit_adam":
+        opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=4, process_group=group)
+    else:  # phase A from step 4 to 10, then syncs every step to 16, local steps after
+        opt = ZeroOneAdam(model.parameters(), lr=1e-2, var_update_scaler=4, var_freeze_step=9,
+                          local_step_scaler=6, local_step_clipper=4, total_steps=24,
+                          process_group=group)
     drawn, moved = torch.zeros(400, dtype=torch.bool), None
     lo = -(-400 // LOCAL) * (rank % LOCAL)
     for step in range(24):
@@ -605,7 +610,8 @@ def _late_rows_run(rank, world):
         nn.functional.mse_loss(model(ids[rank]), ids[rank].float() / 400).backward()
         opt.step()
         opt.zero_grad()
-        check_lockstep(model.parameters(), opt)
+        if not opt.between_syncs:
+            check_lockstep(model.parameters(), opt)
         # Moved at some step: the sign noise may bring a rare row back to its start.
         local = model.emb.weight._local_tensor.detach()
         now = local.ne(start[lo : lo + local.shape[0]]).any(1)
@@ -613,10 +619,12 @@ def _late_rows_run(rank, world):
     return moved, drawn[lo : lo + moved.numel()], _locals(model)
 
 
-def test_one_bit_adam_wakes_rows_first_drawn_after_the_freeze_on_each_shard():
-    """1-bit Adam under HSDP: each shard's rows that no batch drew by the freeze wake at
-    their first gradient on any host, alike on the two replicas of the shard."""
-    runs = run_ranks(_late_rows_run, LOCAL * HOSTS, timeout=300)
+@pytest.mark.parametrize("member", ["onebit_adam", "zero_one_adam"])
+def test_rows_first_drawn_after_the_freeze_wake_on_each_shard(member):
+    """1-bit Adam and 0/1 Adam (its rows woken in phase A and between phase B's syncs) under
+    HSDP: each shard's rows that no batch drew by the freeze wake at their first gradient on
+    any host, alike on the two replicas of the shard."""
+    runs = run_ranks(_late_rows_run, LOCAL * HOSTS, member, timeout=300)
     for moved, drawn, _ in runs:
         assert int(drawn.sum()) > 100  # of the shard's 200 rows, most drawn after the freeze
         assert bool(moved[drawn].all()), f"{int((~moved[drawn]).sum())} drawn rows unmoved"

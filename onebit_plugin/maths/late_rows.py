@@ -39,11 +39,23 @@ denominators and the freeze's negligible root (``mask_floor`` in the ``onebit`` 
 the uninterrupted run holds them. A row woken at a step moves from the next on, by its
 momentum: one woken at a run's last step ends where it began.
 
-Not for members that keep the variance (0/1 Adam, ``refresh_interval``): their refreshes and
-variance averages remask from the variance every rank folded in, which wakes such rows there.
+0/1 Adam (its default ``local_variance``) remakes the mask from the ranks' averaged variance
+at every refresh and at phase B's variance averages (every 128 steps): the rows masked whole
+there are found again (``core.compression_stage.remask``) and wake between averages as above,
+at its phase-A steps and at every local step of phase B (a local step otherwise sends nothing:
+while some row is asleep it sends the bits, after a sync's landing, which rebuilds the momenta
+from the average, so a row woken there keeps its own). A woken row's variance is in every
+rank's own from its first gradient on, so the next average keeps it awake. Before, a row
+first drawn after the last average (on ``recsys_zipf``, the users first drawn after step
+1,920 of 2,000) never moved, and one drawn once between averages had lost its gradient by the
+time the average woke it. Not for members that refresh from exactly averaged gradients alone
+(0/1 Adam's ``local_variance=False``, 1-bit Adam's ``refresh_interval``): a row woken between
+refreshes would hold no variance at the next one, which would mask it again; their rows wake
+at their refreshes.
 
 Costs: 8 bytes per asleep row of the row index (none once awake), and on a step that wakes
-rows their gradient rows in fp32 (a few KB).
+rows their gradient rows in fp32 (a few KB); under 0/1 Adam one collective more on a local
+step while rows sleep.
 """
 
 from __future__ import annotations
