@@ -163,29 +163,36 @@ class OneBitOptimizer(Optimizer):
         return self.topology.process_group
 
     @property
-    def communicator(self) -> OneBitAllreduce | ExactAllreduce:
+    def communicator(self) -> OneBitAllreduce | ExactAllreduce | None:
         """The compression stage's communicator, the policy's exchange (on the DDP hook's own
-        process group once the hook is registered)."""
-        if self.counts.comm is None:
-            self.counts.attach(self.topology.communicator(
-                self.policy.exchange, self.comm_timeout, self._device(),
-                max_block=self.config.max_block, scale=self.config.scale,
-                error_dtype=self.config.error_dtype))
+        process group once the hook is registered); None before :meth:`prepare_stage`."""
         return self.counts.comm
 
     @property
     def units(self) -> list[MomentumUnit]:
-        """The momentum units (built at the first use in the compression stage; empty before)."""
-        if self.layout is None and self.switch_step is not None:
-            self.layout = compression_stage.build_units(self)
-            compression_stage.settle_units(self)
+        """The momentum units (:meth:`prepare_stage`; empty before)."""
         return self.layout.units if self.layout is not None else []
 
     def unit_of(self, p: torch.Tensor) -> MomentumUnit | None:
         """The momentum unit that holds ``p``'s momentum (compression stage); None for a
         parameter in none (it was not trainable when the variance froze)."""
-        self.units  # noqa: B018 - built on first use
         return self.layout.unit_of.get(p) if self.layout is not None else None
+
+    def prepare_stage(self) -> None:
+        """The compression stage's communicator and momentum units, with what a checkpoint
+        left for them, where the stage begins: its first step after the freeze or after a
+        load (``step()``, or the DDP hook's first bucket of that step), once the hook (whose
+        process group the communicator takes) and the parameters are where they run. A no-op
+        in warm-up and once built."""
+        if self.switch_step is None or self.layout is not None:
+            return
+        if self.counts.comm is None:
+            self.counts.attach(self.topology.communicator(
+                self.policy.exchange, self.comm_timeout, self._device(),
+                max_block=self.config.max_block, scale=self.config.scale,
+                error_dtype=self.config.error_dtype))
+        self.layout = compression_stage.build_units(self)
+        compression_stage.settle_units(self)
 
     @property
     def bytes_sent(self) -> int:
@@ -373,6 +380,7 @@ class OneBitOptimizer(Optimizer):
         if not self._settings_checked:
             rank_checks.check_ranks_agree(self, trainable)
         self._settings_checked = True
+        self.prepare_stage()
         self.exchange_for(self.global_step).step(self)
 
     def _master(self, p: torch.Tensor, state: dict) -> torch.Tensor | None:

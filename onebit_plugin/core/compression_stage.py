@@ -331,10 +331,10 @@ def frozen_update(opt, counts: list[float], *, averaged: bool,
 
 def update_rows(opt) -> tuple[list, torch.Tensor | None]:
     """``momentum.update_rows``, made again when the trainable parameters change (one of them
-    frozen since, say). The rows read the units, built here when this is the compression
-    stage's first step since the freeze or a resume, whatever the step exchanges (a 0/1 Adam
-    refresh may come first: var_update_scaler=1, or a phase-A checkpoint before a refresh)."""
-    opt.units  # noqa: B018 - built on first use
+    frozen since, say). The rows read the units, which ``OneBitOptimizer.prepare_stage`` built
+    at the stage's first step since the freeze or a resume, whatever that step exchanges (a
+    0/1 Adam refresh may come first: var_update_scaler=1, or a phase-A checkpoint before a
+    refresh)."""
     trainable = tuple(map(id, opt.trainable()))
     layout = opt.layout
     if layout.rows is None or layout.rows[0] != trainable:

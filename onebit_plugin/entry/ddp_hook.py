@@ -237,6 +237,7 @@ def onebit_hook(
     folded into the momentum units (:meth:`OneBitHookState.average_units`), or passed through
     (a local step)."""
     opt = state.optimizer
+    opt.prepare_stage()
     return opt.exchange_for(opt.global_step + 1).in_backward(opt, state, bucket)
 
 
