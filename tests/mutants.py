@@ -563,8 +563,8 @@ MUTANTS = [
        "    params, masks = _masks_of_groups(list(params))", "    masks = {}",
        "tests/test_deepspeed_config.py::test_deepspeeds_momentum_mask_becomes_a_mask"),
     _m("zero-one-refresh-before-the-units", "row: 0/1 Adam's phase A",
-       "onebit_plugin/core/compression_stage.py",
-       "    opt.units  # noqa: B018 - built on first use\n", "",
+       "onebit_plugin/core/base.py",
+       "        self.prepare_stage()\n        self.exchange_for(", "        self.exchange_for(",
        "tests/test_zero_one.py::test_resume_is_bitwise_in_every_phase[paper-9]"),
     _m("zero-one-hook-sends-in-local-steps", "row: a local step sends nothing", LOCAL,
        "        local: torch.futures.Future = torch.futures.Future()\n"

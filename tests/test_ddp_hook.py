@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from onebit_plugin import OneBitAdam, check_lockstep
+from onebit_plugin.comm.allreduce import OneBitAllreduce
 from onebit_plugin.entry.ddp_hook import register_onebit_hook
 from tests.dist_helpers import assert_ranks_identical, run_ranks
 
@@ -237,7 +238,7 @@ def _async_worker(rank, world):
         return fut
 
     ddp.register_comm_hook(state, spy)
-    real_submit, real_reduce = MomentumUnit.submit, type(opt.communicator)._reduce
+    real_submit, real_reduce = MomentumUnit.submit, OneBitAllreduce._reduce
     mark = opt.handoff.mark_averaged
 
     def submit(self, comm, grads):
@@ -253,7 +254,7 @@ def _async_worker(rank, world):
         mark(unit, ok)
 
     opt.handoff.mark_averaged = marking
-    MomentumUnit.submit, type(opt.communicator)._reduce = submit, slow
+    MomentumUnit.submit, OneBitAllreduce._reduce = submit, slow
     try:
         _step(ddp, opt, rank, 0)  # warm-up
         returned.clear()
@@ -264,7 +265,7 @@ def _async_worker(rank, world):
         backward_returned = time.perf_counter()
         opt.step()
     finally:
-        MomentumUnit.submit, type(opt.communicator)._reduce = real_submit, real_reduce
+        MomentumUnit.submit, OneBitAllreduce._reduce = real_submit, real_reduce
     return [(marked[u][0] - returned[u], marked[u][1], backward_returned - marked[u][0])
             for u in returned]
 
@@ -299,18 +300,18 @@ def _drain_worker(rank, world):
         return fut
 
     ddp.register_comm_hook(state, spy)
-    slow_reduce = type(opt.communicator)._reduce
+    slow_reduce = OneBitAllreduce._reduce
 
     def slow(self, *args):
         time.sleep(0.05)  # a slow network: without the drain the last hook returns first
         return slow_reduce(self, *args)
 
-    type(opt.communicator)._reduce = slow
+    OneBitAllreduce._reduce = slow
     try:
         for step in range(3):
             _step(ddp, opt, rank, step)
     finally:
-        type(opt.communicator)._reduce = slow_reduce
+        OneBitAllreduce._reduce = slow_reduce
     return last_done, opt.stage
 
 

@@ -208,7 +208,7 @@ def _sent_after_the_freeze(grad_scale):
     for _ in range(2):  # a quiet warm-up: a tiny frozen variance
         w.grad = quiet.clone()
         opt.step()
-    opt.units  # noqa: B018 - built at their first use: the frozen denominators
+    opt.prepare_stage()  # the units: the frozen denominators
     sent = []
     comm = opt.communicator
     reduce = comm.reduce_

@@ -135,7 +135,7 @@ def _two_rank_round_trip_worker(rank, world, folder):
     regular = saved.state_dict()
     fresh.load_state_dict(dict(regular, onebit=dict(regular["onebit"], units=None)))
     load_rank_states(folder, rank, world, [fresh])
-    fresh.units  # noqa: B018 - built (and the loaded errors taken) at the first use
+    fresh.prepare_stage()  # the units, which take the loaded errors
     return ([{k: e.clone() for k, e in u.errors.items()} for u in saved.units],
             [{k: e.clone() for k, e in u.errors.items()} for u in fresh.units])
 

@@ -82,6 +82,7 @@ def _wire_run(rank, world, sparse):
         now["kind"] = opt.coming_exchange  # read by the wrapper below, as the step runs
         if step == 10:
             assert now["kind"] == "momentum"
+            opt.prepare_stage()  # where the step would: its units, its communicator
             unit = opt.unit_of(emb)
             b1 = opt.param_groups[0]["betas"][0]
             fold = torch.lerp(opt.state[emb]["exp_avg"], emb.grad, 1 - b1)  # the package's
@@ -204,7 +205,7 @@ def _other_setting(rank, world, path, saved_with, save_at):
     logging.getLogger("onebit_plugin").addHandler(handler)
     try:
         resume(path, rank, model, opt)
-        opt.units  # noqa: B018 - built now: the sync point it resumed from, in its layout
+        opt.prepare_stage()  # the sync point it resumed from, in its layout
         local = opt.policy.local
         point = None if local is None else torch.cat([local.anchor[u] for u in opt.units])
         for step in range(save_at, 40):

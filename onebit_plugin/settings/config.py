@@ -298,7 +298,7 @@ class EnvSettings:
     sparse_rows: bool = True
 
     def __post_init__(self) -> None:
-        self.config  # noqa: B018 - made (and so checked) once here
+        _ = self.config  # OneBitConfig checks every field as it is made: a bad one raises here
 
     def member_options(self, total_steps: int | None) -> dict:
         """The keyword arguments of the member's constructor beside its hyperparameters (0/1
