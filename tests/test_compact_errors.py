@@ -153,6 +153,7 @@ def _switch_run(rank, world, ckpt, cap):
     compact = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=2, bucket_cap_mb=cap,
                          error_dtype="bfloat16")
     compact.load_state_dict(torch.load(f"{ckpt}.{rank}", weights_only=True))
+    compact.prepare_stage()  # the units take the loaded errors, as the next step would
     loaded = [u.errors["worker"].clone() for u in compact.units]
     return said.lines, saved, loaded
 

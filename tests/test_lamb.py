@@ -295,6 +295,7 @@ def _errors_after_loading(rank, world, drop_sent):
     logging.getLogger("onebit_plugin").addHandler(handler)
     fresh = OneBitLamb(_model().parameters(), lr=1e-2, freeze_step=2)
     fresh.load_state_dict(state)
+    fresh.prepare_stage()  # the units take the loaded errors, as the next step would
     loaded = [e.clone() for u in fresh.units for e in u.errors.values()]
     return saved, loaded, said
 

@@ -213,6 +213,7 @@ def _round_trip_worker(rank, world, compress):
     clone = OneBitAdam(net.parameters(), lr=LR, freeze_step=2, compress_momentum=compress,
                        bucket_cap_mb=CAP_MB)
     clone.load_state_dict(opt.state_dict())
+    clone.prepare_stage()
     return [(len(a.params), len(b.params), torch.equal(a.momentum, b.momentum),
              {k: e.clone() for k, e in a.errors.items()},
              {k: e.clone() for k, e in b.errors.items()})

@@ -256,6 +256,7 @@ def test_single_process_is_frozen_variance_adam(bounded):
     assert opt.stage == "compression"
     w = model[2].weight
     v_frozen = opt.state[w]["exp_avg_sq"].clone()  # before the units take its memory
+    opt.prepare_stage()  # the stage's first step would
     assert len(opt.units) == 1
     # The variance is gone: its memory holds the frozen denominator, torch Adam's sqrt(v_hat)
     # + eps bit for bit, and nothing moves it.
@@ -512,6 +513,7 @@ def test_copy_of_optimizer_pickles_without_process_group():
     opt = OneBitAdam(model.parameters(), lr=1e-2, freeze_step=1)
     _loss(model, _batch(0)).backward()
     opt.step()
+    opt.prepare_stage()
     clone = copy.deepcopy(opt)
     assert clone.communicator.group is None and clone.process_group is None
     assert torch.equal(clone.units[0].momentum, opt.units[0].momentum)
@@ -549,6 +551,7 @@ def _resume_worker(rank, world, tmp, load_from="own", compress=True):
     resumed.load_state_dict(ckpt["model"])
     opt2 = OneBitAdam(resumed.parameters(), lr=1e-2, freeze_step=3, compress_momentum=compress)
     opt2.load_state_dict(ckpt["opt"])
+    opt2.prepare_stage()  # the units take the loaded errors, as the next step would
     errors = [{k: e.clone() for k, e in u.errors.items()} for u in opt2.units]
     saved_errors = ckpt["opt"]["onebit"]["units"]
     run(resumed, opt2, range(6, 12))
@@ -627,7 +630,8 @@ def _other_world_worker(rank, world, saved, member):
     opt = MEMBERS[member](model.parameters())
     opt.load_state_dict(copy.deepcopy(saved))
     loaded = [opt.state[p]["exp_avg"].clone() for p in model.parameters()]
-    errors = [e.clone() for u in opt.units for e in u.errors.values()]  # built at the load
+    opt.prepare_stage()  # the units take the loaded errors, as the next step would
+    errors = [e.clone() for u in opt.units for e in u.errors.values()]
     for step in range(3):
         opt.zero_grad()
         _loss(model, _batch(100 + step + 10 * rank)).backward()
@@ -766,6 +770,7 @@ def test_units_hold_adams_denominators_and_the_masks_the_variance_sets():
     expected_keep = {p: d >= 1e-7 + bound for p, d in denoms.items()}
     expected_keep[last.weight] &= user
     assert expected_keep[first.weight].sum() == first.weight.numel() - 2
+    opt.prepare_stage()  # the masks, made from the frozen denominators
     for unit in opt.units:
         for p in unit.params:
             assert torch.equal(unit.view(p, unit.denom), denoms[p])
@@ -784,6 +789,7 @@ def test_a_nan_variance_at_the_freeze_masks_every_coordinate():
     model(torch.randn(4, 8)).square().sum().backward()
     opt.step()
     opt.state[model.weight]["exp_avg_sq"][0, 0] = float("nan")
+    opt.prepare_stage()
     (unit,) = opt.units
     assert bool(unit.masked.all())
 

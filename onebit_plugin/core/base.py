@@ -179,21 +179,9 @@ class OneBitOptimizer(Optimizer):
         return self.layout.unit_of.get(p) if self.layout is not None else None
 
     def prepare_stage(self) -> None:
-        """The compression stage's communicator and momentum units, with what a checkpoint
-        left for them, where the stage begins: its first step after the freeze or after a
-        load (``step()``, or the DDP hook's first bucket of that step), once the hook (whose
-        process group the communicator takes) and the parameters are where they run. A no-op
-        in warm-up and once built (the communicator is made again after ``use_ddp_hook``)."""
-        if self.switch_step is None:
-            return
-        if self.counts.comm is None:
-            self.counts.attach(self.topology.communicator(
-                self.policy.exchange, self.comm_timeout, self._device(),
-                max_block=self.config.max_block, scale=self.config.scale,
-                error_dtype=self.config.error_dtype))
-        if self.layout is None:
-            self.layout = compression_stage.build_units(self)
-            compression_stage.settle_units(self)
+        """The compression stage's communicator and momentum units where the stage begins
+        (``compression_stage.prepare``): ``step()`` and the DDP hook call it."""
+        compression_stage.prepare(self)
 
     @property
     def bytes_sent(self) -> int:

@@ -23,7 +23,7 @@ from onebit_plugin.maths.late_rows import LateRows, seed_rows_
 from onebit_plugin.maths.sparse_rows import ROW_SPARSE_SHARE, SHARE
 from onebit_plugin.wire.dispatch import cpu_kernel
 
-__all__ = ["UnitLayout", "build_units", "count_step", "frozen_update", "momentum_step",
+__all__ = ["UnitLayout", "build_units", "count_step", "frozen_update", "momentum_step", "prepare",
            "refresh_step", "remask", "settle_units", "sparse_rows", "update_rows", "wake_late_rows"]
 
 log = logging.getLogger("onebit_plugin")
@@ -46,6 +46,23 @@ class UnitLayout:
     rows: tuple | None = None
     #: the freeze's negligible root where asleep rows wake (``maths.late_rows``), else None
     mask_floor: float | None = None
+
+
+def prepare(opt) -> None:
+    """The compression stage's communicator and momentum units, with what a checkpoint left
+    for them, where the stage begins: its first step after the freeze or after a load
+    (``step()``, or the DDP hook's first bucket of that step), once the hook (whose process
+    group the communicator takes) and the parameters are where they run. A no-op in warm-up
+    and once built (the communicator is made again after ``use_ddp_hook``)."""
+    if opt.switch_step is None:
+        return
+    if opt.counts.comm is None:
+        opt.counts.attach(opt.topology.communicator(
+            opt.policy.exchange, opt.comm_timeout, opt._device(), max_block=opt.config.max_block,
+            scale=opt.config.scale, error_dtype=opt.config.error_dtype))
+    if opt.layout is None:
+        opt.layout = build_units(opt)
+        settle_units(opt)
 
 
 def build_units(opt) -> UnitLayout:
