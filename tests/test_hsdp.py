@@ -604,9 +604,8 @@ def _late_rows_run(rank, world, member="onebit_adam"):
         ids = [torch.randint(0, 40 if step < 4 else 400, (16,),
                              generator=torch.Generator().manual_seed(100 * step + r))
                for r in range(world)]
-        if step < 23:  # a row woken at the last step moves from the next on
-            for i in ids:
-                drawn[i] = True
+        for i in ids:  # a woken row takes its first step at its wake, the last step's too
+            drawn[i] = True
         nn.functional.mse_loss(model(ids[rank]), ids[rank].float() / 400).backward()
         opt.step()
         opt.zero_grad()

@@ -89,11 +89,13 @@ def _train(rank, world, member, hook, steps, save=None, load=None, topology="fla
             "topology": opt.topology.describe()}
 
 
-def _late_and_drawn(steps: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows first drawn after the freeze and before the last step (a row woken there takes
-    its momentum, which moves it from the next step on), and every row drawn."""
+def _late_and_drawn(steps: int, world: int, last: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows first drawn after the freeze (with ``last``, up to the last step, where the
+    Adam members' woken rows take their first step; else before it: 1-bit LAMB's move from
+    the next step on), and every row drawn."""
     drawn = torch.zeros(ROWS, dtype=torch.bool)
-    for step in range(steps - 1):
+    for step in range(steps if last else steps - 1):
         for rank in range(world):
             drawn[_ids(step, rank)] = True
     late = drawn.clone()
@@ -101,6 +103,17 @@ def _late_and_drawn(steps: int, world: int) -> tuple[torch.Tensor, torch.Tensor]
     for rank in range(world):
         drawn[_ids(steps - 1, rank)] = True
     return late, drawn
+
+
+def _first_drawn_at_the_last_step(steps: int, world: int) -> torch.Tensor:
+    before = torch.zeros(ROWS, dtype=torch.bool)
+    for step in range(steps - 1):
+        for rank in range(world):
+            before[_ids(step, rank)] = True
+    at_last = torch.zeros(ROWS, dtype=torch.bool)
+    for rank in range(world):
+        at_last[_ids(steps - 1, rank)] = True
+    return at_last & ~before
 
 
 @pytest.mark.parametrize("member", ["onebit_adam", "onebit_lamb", "zero_one_adam"])
@@ -116,8 +129,9 @@ def test_rows_first_drawn_after_the_freeze_train_alike_on_every_rank_and_path(me
                                    f"the hook against step() on rank {rank} after step "
                                    f"{step + 1}")
     assert sum(map(bool, plain[0]["apart"])) == (6 if member == "zero_one_adam" else 0)
-    late, drawn = _late_and_drawn(steps, 2)
+    late, drawn = _late_and_drawn(steps, 2, last=member != "onebit_lamb")
     assert int(late.sum()) > 100 and bool(late[ONLY_RANK1])
+    assert int(_first_drawn_at_the_last_step(steps, 2).sum()) > 0  # the case is in the run
     moved = plain[0]["moved"]
     assert bool(moved[late].all()), f"{int((~moved[late]).sum())} late rows never moved"
     assert not bool(moved[NEVER])
@@ -162,12 +176,18 @@ def test_a_woken_row_takes_adams_variance_and_momentum_after_its_first_gradient(
         opt.zero_grad()
         ids = torch.tensor([0, 1, 2]) if step < 4 else torch.tensor([0, 7])
         emb(ids).pow(2).sum().backward()
-        g7 = emb.weight.grad[7].clone()
+        g7, w7 = emb.weight.grad[7].clone(), emb.weight[7].detach().clone()
         opt.step()
     unit = opt.unit_of(emb.weight)
     t = 5.0
     root = g7.abs() * math.sqrt((1 - b2) / (1 - b2**t))
     assert torch.allclose(unit.view(emb.weight, unit.denom)[7], root + 1e-8, rtol=1e-6)
+    # Its first step at its wake, Adam's own: -lr * m_hat / denom (0.55 lr here, inside the
+    # bound), where the user's mask keeps coordinate 0 still.
+    first = 1e-2 * (1 - b1) * g7 / (1 - b1**t) / (root + 1e-8)
+    first[0] = 0.0
+    assert torch.allclose(emb.weight[7].detach(), w7 - first, rtol=1e-5, atol=1e-7)
+    assert 0.5e-2 < float(first[1:].abs().min()) and float(first.abs().max()) < 1e-2
     momentum = opt.state[emb.weight]["exp_avg"][7]
     assert torch.allclose(momentum[1:], (1 - b1) * g7[1:], rtol=1e-6) and momentum[0] == 0
     assert unit.view(emb.weight, unit.masked)[7].tolist() == [True, False, False, False]

@@ -234,11 +234,13 @@ def momentum_step(opt) -> None:
 
 
 @torch.no_grad()
-def wake_late_rows(opt, clip_coef: float | None) -> int:
+def wake_late_rows(opt, clip_coef: float | None, scale: float = 1.0) -> int:
     """After a 1-bit step's update: the asleep rows some rank's gradient touched this step
     wake (``maths.late_rows``): one all-gather of the touched bits, one exact average of the
-    woken rows' gradients (scaled by the step's ``clip_coef``); returns how many woke. A
-    collective wherever a unit has asleep rows: every rank calls it at the same step."""
+    woken rows' gradients (scaled by the step's ``clip_coef``), and each woken row's first
+    step (``Policy.first_step_``; ``scale``: a local step's bound over the update's,
+    ``local_steps.local_bound``); returns how many woke. A collective wherever a unit has
+    asleep rows: every rank calls it at the same step."""
     late = [u for u in opt.units if u.late is not None]
     if not late:
         return 0
@@ -280,6 +282,7 @@ def wake_late_rows(opt, clip_coef: float | None) -> int:
         coords, awake = seed_rows_(u, p, woke, g.view(woke.numel(), -1),
                                    float(opt.state[p]["step"]), floor, opt._masks)
         joined.setdefault(u, []).append(coords)
+        _first_step(opt, u, p, woke[awake], scale)
         # A row none of whose coordinates joined (every root negligible) stays asleep, as a
         # resume finds it from the denominators.
         stays = here.logical_not()
@@ -292,6 +295,25 @@ def wake_late_rows(opt, clip_coef: float | None) -> int:
         if not u.late.rows:
             u.late = None
     return int(union.sum())
+
+
+def _first_step(opt, unit, p, rows: torch.Tensor, scale: float) -> None:
+    """Rows ``rows`` of ``p``, just woken and seeded, take their first step now, where Adam
+    takes it, bounded as this step's update is (``Policy.first_step_``; a member that takes
+    none leaves them to the next step); the parameter (and its master copy) get the rows."""
+    if not rows.numel():
+        return
+    group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+    bounded = opt.config.bound_update and opt.policy.exchange.send_bound is None
+    x = opt._fp32_of(p).reshape(p.shape[0], -1)[rows]  # copies: the rows alone
+    m = unit.view(p).reshape(p.shape[0], -1)[rows]
+    denom = unit.view(p, unit.denom).reshape(p.shape[0], -1)[rows]
+    if opt.policy.first_step_(group, x, m, denom, float(opt.state[p]["step"]),
+                              scale * unit.step_bound() if bounded else None):
+        master = opt._master(p, opt.state[p]) if opt.config.master_weights else None
+        if master is not None:
+            master.view(p.shape[0], -1)[rows] = x
+        p.view(p.shape[0], -1)[rows] = x.to(p.dtype)
 
 
 def refresh_step(opt) -> None:

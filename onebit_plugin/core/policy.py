@@ -202,6 +202,14 @@ class Policy:
         their optimizer state dicts (a member's own entries)."""
         raise NotImplementedError
 
+    def first_step_(self, group: dict, x: torch.Tensor, m: torch.Tensor, denom: torch.Tensor,
+                    count: float, bound: float | None) -> bool:
+        """A woken row's own step at its wake (``maths.late_rows``), on copies of its rows:
+        ``x`` its fp32 values (moved in place), ``m`` its seeded momentum, ``denom`` its seeded
+        denominator, ``count`` its step count, ``bound`` the step's clamp. False where the
+        member takes none (the row moves from the next step on): by default."""
+        return False
+
     def freeze_(self, state: dict) -> None:
         """At the end of the exact stage, per trainable parameter (its optimizer state, whose
         variance becomes the frozen denominator when the compression stage starts): what the
@@ -362,6 +370,15 @@ class AdamPolicy(Policy):
                        beta1=group["betas"][0], weight_decay=group["weight_decay"],
                        decoupled=group["decoupled_weight_decay"], bound=bound,
                        masters=masters, averaged=averaged)
+
+    def first_step_(self, group, x, m, denom, count, bound) -> bool:
+        # Adam's own first step on a row whose moments were zero: the seeded momentum and
+        # denominator are Adam's after that gradient, so this is the step Adam takes there
+        # (bounded as the others'); the group's decay already moved the row this step.
+        frozen_update_([x], [m], [denom], [count], lr=group["lr"], beta1=group["betas"][0],
+                       weight_decay=0.0, decoupled=True,
+                       bound=None if bound is None else [bound])
+        return True
 
     def refresh_moments_(self, group, params, grads, states, exp_avgs) -> None:
         beta1, beta2 = group["betas"]

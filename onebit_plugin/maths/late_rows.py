@@ -30,14 +30,19 @@ How, each 1-bit step, for the units that hold such rows:
    clipped as the step's was; coupled weight decay added), the same on every rank; it leaves
    the mask and joins the 1-bit exchange at the next step, where the update bounds its steps
    as every coordinate's (``bound_update``). A coordinate whose seeded root is still below the
-   freeze's negligible root stays masked.
+   freeze's negligible root stays masked;
+5. under the Adam members each woken row takes its first step now, where Adam takes it:
+   ``-lr * m_hat / denom`` from those numbers, bounded as the step's update is
+   (``Policy.first_step_``; a local step's bound in 0/1 Adam's phase B). 1-bit LAMB's update
+   scales a whole tensor by its trust ratio, which a few rows do not have alone: its woken rows
+   move from the next step on.
 
 Every rank holds the same bits and the same average, so the ranks stay alike, and both paths
 (the hook, ``step()``) wake the same rows with the same numbers. A step skipped for a
 non-finite gradient wakes nothing. A resume finds the asleep rows again from the saved
 denominators and the freeze's negligible root (``mask_floor`` in the ``onebit`` entry), as
-the uninterrupted run holds them. A row woken at a step moves from the next on, by its
-momentum: one woken at a run's last step ends where it began.
+the uninterrupted run holds them. Before the first step at the wake (5.), a row woken at a
+run's last step ended where it began: 1-5 users a seed on ``recsys_zipf``.
 
 0/1 Adam (its default ``local_variance``) remakes the mask from the ranks' averaged variance
 at every refresh and at phase B's variance averages (every 128 steps): the rows masked whole

@@ -268,7 +268,7 @@ def take_step(opt, sync: bool) -> None:
     if opt.layout.mask_floor is not None:
         # Every rank, at every local step while some unit has asleep rows (a collective); at
         # a sync after the landing, which rebuilds the momenta: a woken row keeps its own.
-        compression_stage.wake_late_rows(opt, None)
+        compression_stage.wake_late_rows(opt, None, local_bound(opt.world_size))
     if sync:
         if refresh:  # after the landing: the next interval's steps divide by the average
             local_variance.average_(opt)
