@@ -121,27 +121,34 @@ def _late_gradients_worker(rank, world):
     opt = OneBitAdam([*used.parameters(), *late.parameters()], lr=1e-2, freeze_step=2)
     before = [p.detach().clone() for p in late.parameters()]
     gen = torch.Generator().manual_seed(rank)
+    moved, largest = torch.zeros_like(late.weight, dtype=torch.bool), 0.0
     for step in range(6):
         opt.zero_grad()
         x = torch.randn(4, 8, generator=gen)
         # "late" gets gradients only after the freeze: its frozen variance is 0.
         loss = used(x).square().mean() + (late(x).square().mean() if step >= 2 else 0)
         loss.backward()
+        last = late.weight.detach().clone()
         opt.step()
+        # Moved at some step (a coordinate's +-lr steps may bring it back to its start) and
+        # the largest step any coordinate took.
+        moved |= late.weight.detach().ne(before[0])
+        largest = max(largest, float((late.weight.detach() - last).abs().max()))
     return (opt.stage, [p.detach() for p in late.parameters()], before,
-            [p.detach() for p in used.parameters()])
+            [p.detach() for p in used.parameters()], moved, largest)
 
 
 def test_a_parameter_without_gradients_in_warmup_stays_finite_after_the_freeze():
     """Its variance froze at 0, and it shares a compressed block with the used parameters
     (unmasked, the 1-bit exchange would send it +-scale, and the update divide it by eps).
     Its bias (1-D) stays masked: a zero momentum, no step, no 0/0. Its weight's rows wake at
-    their first gradient (step 3, ``maths.late_rows``) with Adam's variance after it, and move
-    by at most lr a step from the next on (steps 4-6): bounded, never by ``scale / eps``."""
-    for stage, late, before, used in run_ranks(_late_gradients_worker, 2):
+    their first gradient (step 3, ``maths.late_rows``) with Adam's variance after it, take
+    Adam's first step there and move by at most lr a step (steps 3-6): bounded, never by
+    ``scale / eps``."""
+    for stage, late, before, used, moved, largest in run_ranks(_late_gradients_worker, 2):
         assert stage == "compression"
         (weight, bias), (weight0, bias0) = late, before
         assert torch.equal(bias, bias0)  # v == 0: masked, no step (and no 0/0)
-        moved = (weight - weight0).abs()
-        assert bool(moved.gt(0).all()) and float(moved.max()) <= 3 * 1e-2 * (1 + 1e-6)
+        assert bool(moved.all()) and largest <= 1e-2 * (1 + 1e-6)
+        assert float((weight - weight0).abs().max()) <= 4 * 1e-2 * (1 + 1e-6)
         assert all(torch.isfinite(p).all() for p in used)
