@@ -20,6 +20,7 @@ from types import ModuleType
 
 import torch
 
+import onebit_plugin.kernels as kernels  # light: its Triton launchers are imported on first use
 from onebit_plugin.kernels import block_tile
 from onebit_plugin.settings.config import flag
 
@@ -45,8 +46,6 @@ def triton_kernel(name: str):
     """The launcher ``name`` (``worker_compress``, ``server_compress``, ``decompress``;
     ``quantize``, ``average_quantize``, ``dequantize``) of the Triton kernels; set
     ``TRITON_INTERPRET=1`` before the first call to run them on the CPU."""
-    from onebit_plugin import kernels
-
     return getattr(kernels, name)
 
 
