@@ -42,7 +42,7 @@ Every rank holds the same bits and the same average, so the ranks stay alike, an
 non-finite gradient wakes nothing. A resume finds the asleep rows again from the saved
 denominators and the freeze's negligible root (``mask_floor`` in the ``onebit`` entry), as
 the uninterrupted run holds them. Before the first step at the wake (5.), a row woken at a
-run's last step ended where it began: 1-5 users a seed on ``recsys_zipf``.
+run's last step ended where it began: 1-3 users a seed on ``recsys_zipf``.
 
 0/1 Adam (its default ``local_variance``) remakes the mask from the ranks' averaged variance
 at every refresh and at phase B's variance averages (every 128 steps): the rows masked whole
