@@ -92,11 +92,11 @@ class OneBitOptimizer(Optimizer):
         self.skips = Skips()  # steps skipped for a non-finite gradient
         self._unit_cap_bytes = int((config.bucket_cap_mb or DEFAULT_UNIT_MB) * 2**20)
         self.counts = ByteCounts()
-        self.layout: UnitLayout | None = None  # the units, built at their first use
+        self.layout: UnitLayout | None = None  # the units, built by prepare_stage
         self.resumed = Resumed()  # what a loaded checkpoint leaves for them until then
         self.handoff = HandOff()  # what backward leaves for step(), reset once per step
         self.syncs = 0  # syncs of local steps so far
-        self._said_apart = False
+        self._said_apart = self._said_no_gradient = False
         self._settings_checked = False
         self.hooked_params: set | None = None  # what the DDP hook averages, once registered
         self.averaged_elsewhere = False  # the first step's gradients were identical already
@@ -360,7 +360,8 @@ class OneBitOptimizer(Optimizer):
         if self.shards is not None:
             self.shards.pull_grads()
         trainable = self.trainable()
-        rank_checks.check_gradients(self, trainable)
+        self._said_no_gradient |= rank_checks.check_gradients(
+            type(self).__name__, trainable, self.global_step + 1, self._said_no_gradient)
         rank_checks.check_trainable(self.param_groups, trainable, self.hooked_params,
                                     set(self.layout.unit_of) if self.layout and
                                     self.layout.units else None,

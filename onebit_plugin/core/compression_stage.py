@@ -303,7 +303,7 @@ def _first_step(opt, unit, p, rows: torch.Tensor, scale: float) -> None:
     none leaves them to the next step); the parameter (and its master copy) get the rows."""
     if not rows.numel():
         return
-    group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+    group = unit.hypers[p]  # its param group
     bounded = opt.config.bound_update and opt.policy.exchange.send_bound is None
     x = opt._fp32_of(p).reshape(p.shape[0], -1)[rows]  # copies: the rows alone
     m = unit.view(p).reshape(p.shape[0], -1)[rows]

@@ -212,36 +212,36 @@ def check_params(params: list[torch.Tensor], owner: str, master_weights: bool) -
                          f"{sorted(map(str, devices))}")
 
 
-def check_gradients(opt, trainable: list[torch.Tensor]) -> None:
-    """At each step of ``opt`` (a member of the family): sparse gradients refused; said once
-    per process (``opt._said_no_gradient``), a step where none of the trainable parameters has
-    a gradient. Most often the model's parameters were replaced after the optimizer was made:
-    ``fully_shard`` (FSDP2), which marks the tensors it replaced (``_fsdp_orig_uid``): that is
+def check_gradients(name: str, trainable: list[torch.Tensor], step: int, said: bool) -> bool:
+    """At each ``step`` of an optimizer of the family (its class ``name``): sparse gradients
+    refused; a step where none of the trainable parameters has a gradient is said unless
+    ``said`` (the optimizer keeps it: once per process); returns whether it said it now. Most
+    often the model's parameters were replaced after the optimizer was made: ``fully_shard``
+    (FSDP2), which marks the tensors it replaced (``_fsdp_orig_uid``): that is
     a ``ValueError`` naming the fix; another wrapper that makes new parameters is said."""
     some = False  # one pass over the parameters: this runs every step
     for p in trainable:
         if p.grad is not None:
             some = True
             if p.grad.is_sparse:
-                raise ValueError(f"{type(opt).__name__} does not support sparse gradients")
+                raise ValueError(f"{name} does not support sparse gradients")
     if some or not trainable:
-        return
+        return False
     replaced = sum(hasattr(p, "_fsdp_orig_uid") for p in trainable)  # FSDP2 marks what it replaced
     if replaced:
         raise ValueError(
-            f"{type(opt).__name__} was made before fully_shard sharded the model: {replaced} of "
+            f"{name} was made before fully_shard sharded the model: {replaced} of "
             f"its {len(trainable)} parameters are tensors fully_shard replaced (no loss reaches "
             "them, so the whole run would train nothing). Make the optimizer after sharding: "
             "fully_shard(...) first, then the optimizer over model.parameters()")
-    if getattr(opt, "_said_no_gradient", False):
-        return
-    opt._said_no_gradient = True
+    if said:
+        return False
     log.warning(
         "onebit: step %d of %s found no gradient on any of its %d trainable parameters: "
         "nothing moves. If the model was sharded (fully_shard) or wrapped after the optimizer "
         "was made, its parameters are new tensors: make the optimizer over model.parameters() "
-        "after sharding. (Said once by each process.)", opt.global_step + 1, type(opt).__name__,
-        len(trainable))
+        "after sharding. (Said once by each process.)", step, name, len(trainable))
+    return True
 
 
 def reject_sharded(params: list[torch.Tensor]) -> None:
