@@ -19,6 +19,7 @@ collectives keep the same order on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from datetime import timedelta
@@ -269,6 +270,17 @@ class _Communicator:
 
         comm_executor(self.group).submit(job)
         return future
+
+    @contextlib.contextmanager
+    def beside_dense(self):
+        """Calls made inside count in ``bytes_sent`` alone: exchanges a plain fp32 DDP run
+        would not make (0/1 Adam's sync between steps, ``sync_local_steps``), so that
+        ``dense_bytes`` stays what DDP would have sent."""
+        dense = self.dense_bytes
+        try:
+            yield
+        finally:
+            self.dense_bytes = dense
 
     def buffers(self) -> list[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` of the scratch the communicator itself holds (its plans' are

@@ -146,12 +146,11 @@ class ZeroOnePolicy(AdamPolicy):
 
     def sync_now(self, opt) -> None:
         if self.apart(opt):
-            comm = opt.communicator
-            dense = comm.dense_bytes
-            local_steps.sync_ranks(opt, local_steps.corrections(opt, opt.layout.steps.tolist()))
             # A sync between steps: DDP with Adam would have sent nothing for it, so it counts
             # in bytes_sent alone (compression_ratio went up with each such sync).
-            comm.dense_bytes = dense
+            with opt.communicator.beside_dense():
+                local_steps.sync_ranks(opt, local_steps.corrections(opt,
+                                                                    opt.layout.steps.tolist()))
 
     def sync_point(self, opt) -> list | None:
         saved = opt.resumed.local_steps  # resumed between syncs, the units not built yet
