@@ -206,7 +206,7 @@ def _other_setting(rank, world, path, saved_with, save_at):
     try:
         resume(path, rank, model, opt)
         opt.prepare_stage()  # the sync point it resumed from, in its layout
-        local = opt.policy.local
+        local = opt.layout.local
         point = None if local is None else torch.cat([local.anchor[u] for u in opt.units])
         for step in range(save_at, 40):
             opt.zero_grad()

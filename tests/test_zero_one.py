@@ -193,7 +193,7 @@ def test_a_phase_a_state_from_before_steps_weighted_refreshes_is_a_clear_error()
         fresh.load_state_dict(saved)
     assert not fresh.state and fresh.global_step == 0  # refused before anything was loaded
     model, opt = run(25)  # phase B, between syncs (they fall at 24 and 28)
-    assert opt.phase == "B" and opt.policy.local.steps == 1
+    assert opt.phase == "B" and opt.layout.local.steps == 1
     saved = opt.state_dict()
     # Between syncs the state holds this rank's own parameters: plain tensors, no graph.
     assert not any(t.requires_grad for t in saved["onebit"]["local_steps"]["params"])

@@ -435,8 +435,7 @@ class OneBitOptimizer(Optimizer):
     def _forget_layout(self) -> None:
         """After a load: the units, counters' views and this iteration are rebuilt from the new
         state, and the ranks' settings checked again at the next step."""
-        self.layout = None
-        self.policy.forget(self)  # its state over the units is rebuilt with them
+        self.layout = None  # with the member's state over the units (its local steps)
         self.handoff.reset()
         self._settings_checked = False
 

@@ -35,8 +35,8 @@ ALONE_MIN = 256  # values: the smallest tensor that sparse_rows gives a unit of 
 class UnitLayout:
     """The compression stage's momentum units as built (``OneBitOptimizer.layout``): the units,
     each parameter's unit, the step counters as views of one tensor and each trainable
-    parameter's place in it, the unit size they were cut at, and the update's rows (made again
-    when the trainable parameters change, :func:`update_rows`)."""
+    parameter's place in it, the unit size they were cut at, the update's rows (made again
+    when the trainable parameters change, :func:`update_rows`) and the local steps' state."""
 
     units: list
     unit_of: dict
@@ -46,6 +46,10 @@ class UnitLayout:
     rows: tuple | None = None
     #: the freeze's negligible root where asleep rows wake (``maths.late_rows``), else None
     mask_floor: float | None = None
+    #: a member's local-step state over the units (0/1 Adam's ``local_steps.LocalSteps``),
+    #: from its first local step; dropped with the layout at a load, made again from the
+    #: checkpoint's when the units are
+    local: object | None = None
 
 
 def prepare(opt) -> None:

@@ -38,6 +38,8 @@ def _tensors(opt) -> list[tuple[str, torch.Tensor]]:
             out.append(("masks", unit.masked))
         if unit.late is not None:
             out += unit.late.buffers()
+    if opt.layout is not None and opt.layout.local is not None:
+        out += opt.layout.local.buffers()
     if opt.counts.comm is not None:
         out += opt.counts.comm.buffers()
     out += opt.policy.buffers()

@@ -277,9 +277,6 @@ class Policy:
                 *(self.follow.buffers() if self.follow is not None else []),
                 *(self.local_variance.buffers() if self.local_variance is not None else [])]
 
-    def forget(self, opt) -> None:
-        """A load: the member's own state over the units is dropped (rebuilt with them)."""
-
     def units_built(self, opt) -> None:
         """The momentum units were just built (at the first compression-stage step, or after
         a resume): a member's own state over them is made here."""

@@ -80,6 +80,10 @@ class LocalSteps:
         self.lr_sum = [0.0] * len(groups)
         self.steps = 0  # local steps since the last sync
 
+    def buffers(self) -> list:
+        """``(name, tensor)`` of what it holds (``onebit_plugin.core.memory``)."""
+        return [("local-step anchors", a) for a in self.anchor.values()]
+
     # ------------------------------------------------------------------------- between syncs
     @staticmethod
     @torch.no_grad()
@@ -231,9 +235,9 @@ def take_step(opt, sync: bool) -> None:
     sketches = None
     if sync and opt.policy.follow is not None:
         sketches = variance_follow.summaries(opt)
-    if opt.policy.local is None:  # the first local step: the ranks are on one point now
+    if opt.layout.local is None:  # the first local step: the ranks are on one point now
         freeze_variances(opt)
-        opt.policy.local = LocalSteps(units, opt._fp32_of, opt.param_groups)
+        opt.layout.local = LocalSteps(units, opt._fp32_of, opt.param_groups)
     trainable = opt.trainable()
     grads = {p: p.grad for p in trainable}
     counts = compression_stage.count_step(opt)  # every rank counts it: the counts agree
@@ -255,12 +259,12 @@ def take_step(opt, sync: bool) -> None:
             unit.late is not None and unit.late.forget()
     if own is not None:  # a step this rank skipped folds a zero gradient: the counts agree
         local_variance.fold_(opt, notes)
-    opt.policy.local.advance(opt.param_groups)
+    opt.layout.local.advance(opt.param_groups)
     # What DDP with Adam would have sent for this step, for compression_ratio.
     opt.counts.add_exact(0, ring_bytes(4 * sum(p.numel() for p in trainable),
                                        opt.world_size) if not sync else 0)
     refresh = sync and own is not None and local_variance.due_at_sync(opt.global_step,
-                                                                      opt.policy.local.steps)
+                                                                      opt.layout.local.steps)
     if sync:
         if own is not None:
             local_variance.sample_(opt, notes)
@@ -310,7 +314,7 @@ def corrections(opt, counts: list[float]) -> dict:
 
 def sync_ranks(opt, corrections: dict) -> None:
     """Every rank sends what it moved since the last sync, and lands on the common point."""
-    local = opt.policy.local
+    local = opt.layout.local
     opt.syncs += 1
     ok = local.send_(opt.units, opt.communicator, opt.param_groups, opt._fp32_of, corrections)
     if not ok:
@@ -328,7 +332,7 @@ def saved_state(opt) -> dict | None:
     local-step state, and this rank's own parameters and momenta, which differ from the other
     ranks' (Lightning and Fabric save rank 0's weights only). None at a sync point: every rank
     is on the same point, which the model's weights hold."""
-    local = opt.policy.local
+    local = opt.layout.local if opt.layout is not None else None
     if local is None or local.steps == 0:
         return None
     trainable = opt.trainable()
@@ -342,8 +346,8 @@ def restore(opt) -> None:
     (``ZeroOnePolicy.units_built``)."""
     local, opt.resumed.local_steps = opt.resumed.local_steps, None
     if local is not None:
-        opt.policy.local = LocalSteps(opt.units, opt._fp32_of, opt.param_groups)
-        opt.policy.local.load_state_dict(local, opt.units)
+        opt.layout.local = LocalSteps(opt.units, opt._fp32_of, opt.param_groups)
+        opt.layout.local.load_state_dict(local, opt.units)
 
 
 def load_saved_state(opt, saved: dict | None) -> None:

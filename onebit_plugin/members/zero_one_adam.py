@@ -107,8 +107,6 @@ class ZeroOnePolicy(AdamPolicy):
         self.var_freeze_step, self.var_update_scaler = var_freeze_step, var_update_scaler
         self.local_step_scaler, self.local_step_clipper = local_step_scaler, local_step_clipper
         self._schedule: ZeroOneSchedule | None = None
-        #: phase B's state on this rank (``local_steps.LocalSteps``), from the first local step
-        self.local: local_steps.LocalSteps | None = None
 
     def schedule(self, total_steps: int | None) -> ZeroOneSchedule:
         """The schedule settled for a run of ``total_steps`` (``"auto"`` settings need it)."""
@@ -142,7 +140,8 @@ class ZeroOnePolicy(AdamPolicy):
         return local_steps.saved_state(opt)
 
     def apart(self, opt) -> int:
-        return self.local.steps if self.local is not None else 0
+        local = opt.layout.local if opt.layout is not None else None  # phase B's, on this rank
+        return local.steps if local is not None else 0
 
     def sync_now(self, opt) -> None:
         if self.apart(opt):
@@ -156,14 +155,7 @@ class ZeroOnePolicy(AdamPolicy):
         saved = opt.resumed.local_steps  # resumed between syncs, the units not built yet
         if saved:
             return saved["anchors"]
-        return list(self.local.anchor.values()) if self.apart(opt) else None
-
-    def buffers(self) -> list:
-        anchors = self.local.anchor.values() if self.local is not None else []
-        return [*super().buffers(), *(("local-step anchors", a) for a in anchors)]
-
-    def forget(self, opt) -> None:
-        self.local = None
+        return list(opt.layout.local.anchor.values()) if self.apart(opt) else None
 
     def load_rank_state(self, opt, saved: dict | None) -> None:
         local_steps.load_saved_state(opt, saved)
